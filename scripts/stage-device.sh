@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds every test binary and example here and stages them into .device/ (git-ignored), to be
+# carried to the GPU machine: the device tool's `run` with carry [".device"] and the command
+# `bash scripts/device-run.sh`.
+#
+# Also builds the GPU tests a second time with use tracking bypassed
+# (--cfg handoff_bypass_tracking) into .device/bypass/: run on a GPU, their hazard tests must
+# fail, which shows that they catch what tracking prevents.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/setup.sh
+
+stage=.device
+rm -rf "$stage"
+mkdir -p "$stage/tests" "$stage/examples" "$stage/bypass"
+
+# Lines like "  Executable tests/gpu.rs (target/device/deps/gpu-0123abcd)".
+executables() { sed -n 's/^ *Executable \(.*\) (\(.*\))$/\1|\2/p'; }
+
+stage_tests() { # $1: destination folder; the remaining arguments go to cargo
+  local dest=$1; shift
+  cargo test --profile device --no-run "$@" 2>&1 | tee /dev/stderr | executables |
+    while IFS='|' read -r src exe; do
+      case "$src" in
+        "unittests src/lib.rs") name=unit ;;
+        *) name=$(basename "${src%.rs}") ;;
+      esac
+      cp "$exe" "$dest/$name"
+    done
+}
+
+stage_tests "$stage/tests"
+cargo build --profile device --examples
+find target/device/examples -maxdepth 1 -type f -executable ! -name '*-*' -exec cp {} "$stage/examples/" \;
+
+RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu
+
+du -sh "$stage"
+ls -l "$stage"/*

@@ -1,0 +1,302 @@
+//! [`DeviceBuffer`]: typed device memory whose every use is tracked.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+use bytemuck::Pod;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::result as cu;
+use crate::stream::{Stream, Tracked};
+use crate::sys::cudart::cudaMemcpyKind;
+use crate::tracking::Access;
+
+/// `len` elements of `T` in one device's memory.
+///
+/// Every stream operation on the buffer (kernel launch, copy, send, receive) is tracked: it first
+/// makes its stream wait, on the GPU, for the earlier uses it conflicts with on other streams,
+/// then records itself (see [`crate::tracking`]). So no sequence of safe calls lets the GPU read
+/// the buffer while it is being overwritten, or write it while another operation still reads it.
+///
+/// Memory comes from the device's stream-ordered pool (`cudaMallocAsync`). Dropping the buffer
+/// does not block: the free is queued on the device's internal stream after every pending use
+/// (`cudaFreeAsync`), so the memory cannot be handed out again while the GPU still uses it.
+///
+/// Host copies ([`DeviceBuffer::to_vec`], [`DeviceBuffer::copy_from_slice`]) block until the copy
+/// has completed, and a copy to the host waits for the last write first.
+pub struct DeviceBuffer<T: Pod> {
+    ptr: *mut T,
+    len: usize,
+    tracked: Tracked,
+    device: Device,
+    _marker: PhantomData<T>,
+}
+
+// SAFETY: the buffer owns its device memory; the tracker is behind a mutex, and CUDA calls on
+// the memory may come from any thread.
+unsafe impl<T: Pod + Send> Send for DeviceBuffer<T> {}
+// SAFETY: `&DeviceBuffer` only allows tracked reads, whose bookkeeping is behind the mutex.
+unsafe impl<T: Pod + Sync> Sync for DeviceBuffer<T> {}
+
+impl<T: Pod> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("type", &std::any::type_name::<T>())
+            .field("len", &self.len)
+            .field("device", &self.device.ordinal())
+            .finish()
+    }
+}
+
+/// The size in bytes of `len` elements of `T`, or an error if it overflows.
+pub(crate) fn byte_len<T>(len: usize) -> Result<usize> {
+    len.checked_mul(std::mem::size_of::<T>())
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{len} elements of {} ({} bytes each) overflow the address space",
+                std::any::type_name::<T>(),
+                std::mem::size_of::<T>()
+            ))
+        })
+}
+
+impl<T: Pod> DeviceBuffer<T> {
+    /// Allocates `len` elements on `stream`'s device without initialising them: the contents
+    /// are whatever the memory held (any bit pattern is a valid `T`, as `T: Pod`).
+    fn alloc(stream: &Stream, len: usize) -> Result<Self> {
+        let bytes = byte_len::<T>(len)?;
+        let device = stream.device().clone();
+        // Length 0 until the memory exists, so that an early return frees nothing.
+        let mut buf = DeviceBuffer {
+            ptr: std::ptr::NonNull::<T>::dangling().as_ptr(),
+            len: 0,
+            tracked: Tracked::new(&device),
+            device,
+            _marker: PhantomData,
+        };
+        if bytes > 0 {
+            // The allocation is a stream-ordered write: the memory exists for other streams only
+            // once they have waited for it, which tracking then makes them do.
+            let ptr = stream.enqueue(&[(&buf.tracked, Access::Write)], |s| {
+                // SAFETY: the stream is live and its device is current (enqueue set it).
+                unsafe { cu::malloc_async(bytes, s) }
+            })?;
+            buf.ptr = ptr.cast::<T>();
+        }
+        buf.len = len;
+        Ok(buf)
+    }
+
+    /// A buffer of `len` zeroed elements, allocated and zeroed in order on `stream`. Returns
+    /// before the GPU has done either; later uses on any stream wait for them.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the size overflows; CUDA errors (out of memory).
+    pub fn zeros(stream: &Stream, len: usize) -> Result<Self> {
+        let mut buf = Self::alloc(stream, len)?;
+        buf.memset_zero(stream)?;
+        Ok(buf)
+    }
+
+    /// A buffer holding a copy of `data`. Blocks until the copy has completed, so `data` may be
+    /// reused as soon as this returns.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::zeros`].
+    pub fn from_slice(stream: &Stream, data: &[T]) -> Result<Self> {
+        let mut buf = Self::alloc(stream, data.len())?;
+        buf.copy_from_slice(stream, data)?;
+        Ok(buf)
+    }
+
+    /// Sets every byte to zero, on `stream`, after every earlier use of the buffer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `stream` is on another device; CUDA errors.
+    pub fn memset_zero(&mut self, stream: &Stream) -> Result<()> {
+        let bytes = self.byte_len();
+        let ptr = self.ptr.cast::<c_void>();
+        stream.enqueue(&[(&self.tracked, Access::Write)], |s| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            // SAFETY: `ptr` is this buffer's allocation of `bytes` bytes; the stream now waits
+            // for every earlier use.
+            unsafe { cu::memset_async(ptr, 0, bytes, s) }
+        })
+    }
+
+    /// Copies `data` into the buffer, on `stream`, after every earlier use; blocks until the
+    /// copy has completed, so `data` may be reused as soon as this returns.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the lengths differ or `stream` is on another device; CUDA
+    /// errors.
+    pub fn copy_from_slice(&mut self, stream: &Stream, data: &[T]) -> Result<()> {
+        self.check_len(data.len(), "the host slice")?;
+        let bytes = self.byte_len();
+        let dst = self.ptr.cast::<c_void>();
+        stream.enqueue(&[(&self.tracked, Access::Write)], |s| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            // SAFETY: `dst` holds `bytes` bytes; `data` is borrowed for the whole call and the
+            // host waits below for the copy to finish, so the source outlives the copy.
+            unsafe {
+                cu::memcpy_async(
+                    dst,
+                    data.as_ptr().cast(),
+                    bytes,
+                    cudaMemcpyKind::cudaMemcpyHostToDevice,
+                    s,
+                )
+            }
+        })?;
+        // The copy reads `data`, which the caller may reuse once this returns.
+        stream.synchronize()
+    }
+
+    /// Copies the buffer to a new host vector, on `stream`, after the last write to it. Blocks
+    /// until the copy has completed.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `stream` is on another device; CUDA errors, including a
+    /// fault in a kernel that wrote the buffer.
+    pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
+        let mut out: Vec<T> = Vec::with_capacity(self.len);
+        let bytes = self.byte_len();
+        let src = self.ptr.cast::<c_void>().cast_const();
+        let dst = out.as_mut_ptr().cast::<c_void>();
+        stream.enqueue(&[(&self.tracked, Access::Read)], |s| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            // SAFETY: `dst` has capacity for `bytes` bytes and stays allocated until the copy
+            // completes (below; on failure it is leaked); the stream waits for the last write.
+            unsafe { cu::memcpy_async(dst, src, bytes, cudaMemcpyKind::cudaMemcpyDeviceToHost, s) }
+        })?;
+        if let Err(e) = stream.synchronize() {
+            // The copy may still write into `out` later: never free that memory.
+            std::mem::forget(out);
+            return Err(e);
+        }
+        // SAFETY: the copy above wrote all `len` elements, and any bit pattern is a valid `T`.
+        unsafe { out.set_len(self.len) };
+        Ok(out)
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a buffer of no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// The device the memory lives on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The raw device pointer, for calling CUDA or NCCL directly. Work queued through it is
+    /// not tracked; see [`Stream::as_raw`].
+    pub fn as_raw_ptr(&self) -> *const T {
+        self.ptr
+    }
+
+    /// The raw device pointer, writable. As [`DeviceBuffer::as_raw_ptr`].
+    pub fn as_raw_mut_ptr(&mut self) -> *mut T {
+        self.ptr
+    }
+
+    /// Blocks the host until every pending use of the buffer, on every stream, has completed.
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub fn synchronize(&self) -> Result<()> {
+        let events: Vec<_> = self.tracked.lock().uses().map(|u| u.event.clone()).collect();
+        for e in events {
+            // SAFETY: the event is kept alive by the Arc.
+            unsafe { cu::event_synchronize(e.raw) }?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_len(&self, other: usize, what: &str) -> Result<()> {
+        if other == self.len {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "{what} has {other} elements but the buffer has {}",
+                self.len
+            )))
+        }
+    }
+
+    pub(crate) fn tracked(&self) -> &Tracked {
+        &self.tracked
+    }
+
+    /// Frees the memory in stream order after every pending use, reporting errors that `Drop`
+    /// has to swallow.
+    ///
+    /// # Errors
+    /// CUDA errors. The memory is then leaked rather than freed while it may be in use.
+    pub fn free(mut self) -> Result<()> {
+        let r = self.release();
+        std::mem::forget(self);
+        r
+    }
+
+    fn release(&mut self) -> Result<()> {
+        let pending = self.tracked.lock().take_all();
+        if self.byte_len() == 0 {
+            return Ok(());
+        }
+        let inner = &self.device.inner;
+        cu::ensure_device(inner.ordinal)?;
+        for e in &pending {
+            // SAFETY: the lifecycle stream lives as long as the device; the event is alive.
+            // On error we return before the free: the memory leaks instead of being reused.
+            unsafe { cu::stream_wait_event(inner.lifecycle, e.raw) }?;
+        }
+        // SAFETY: the pointer came from cudaMallocAsync; the lifecycle stream now waits for
+        // every pending use, including the allocation itself (recorded as a write).
+        unsafe { cu::free_async(self.ptr.cast(), inner.lifecycle) }
+    }
+}
+
+impl<T: Pod> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        // Errors leak the memory (see `release`); `free` reports them.
+        let _ = self.release();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_len_rejects_overflow() {
+        assert_eq!(byte_len::<f32>(4).unwrap(), 16);
+        assert_eq!(byte_len::<u8>(0).unwrap(), 0);
+        assert!(matches!(
+            byte_len::<f64>(usize::MAX / 4),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            byte_len::<u8>(usize::MAX),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+}

@@ -1,0 +1,206 @@
+//! GPUs: [`Device`], and the per-device state the safe API shares (an event pool and the stream
+//! on which buffers are freed).
+
+use std::sync::{Arc, Mutex};
+
+use once_cell::sync::OnceCell;
+
+use crate::error::{Error, Result};
+use crate::result as cu;
+use crate::sys::cudart::{cudaError_t, cudaEvent_t, cudaStream_t};
+
+/// One CUDA device, as seen by this process (after `CUDA_VISIBLE_DEVICES`).
+///
+/// Cheap to clone; streams, events and buffers keep their device's state alive. Every call of
+/// the safe API makes its device current on the calling thread first (`cudaSetDevice`), so one
+/// thread may drive several devices; code that mixes in raw runtime calls must set its own.
+#[derive(Clone)]
+pub struct Device {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("ordinal", &self.inner.ordinal)
+            .finish()
+    }
+}
+
+pub(crate) struct DeviceInner {
+    pub(crate) ordinal: i32,
+    /// Where buffers are freed: in stream order after every pending use (see `DeviceBuffer`'s
+    /// `Drop`), so dropping a buffer never blocks the host.
+    pub(crate) lifecycle: cudaStream_t,
+    /// Idle events, reused for tracking so that the hot path creates none.
+    events: Mutex<Vec<cudaEvent_t>>,
+    /// Streams whose `Stream` was dropped, reused by `Stream::new`. Dropping a `Stream` parks
+    /// its handle here instead of calling `cudaStreamDestroy`, which was seen to block until
+    /// the stream's queued work finished (CUDA 13.0, driver 580) although its documentation
+    /// says it returns at once.
+    streams: Mutex<Vec<cudaStream_t>>,
+    /// Set once the crate's kernels are loaded into this device's context.
+    pub(crate) kernels_loaded: OnceCell<()>,
+}
+
+// SAFETY: the raw handles are CUDA objects that the runtime lets any host thread use; the event
+// list is behind a mutex.
+unsafe impl Send for DeviceInner {}
+// SAFETY: as above; no method hands out `&mut` to shared state without the mutex.
+unsafe impl Sync for DeviceInner {}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        // Nothing of this device is alive any more (everything holds an Arc to it). Frees queued
+        // on the lifecycle stream still run; pending events are released by the runtime once
+        // they complete.
+        if cu::set_device(self.ordinal).is_err() {
+            return;
+        }
+        let events = std::mem::take(self.events.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for e in events {
+            // SAFETY: pooled events are owned by the pool and referenced by no tracker.
+            let _ = unsafe { cu::event_destroy(e) };
+        }
+        let streams = std::mem::take(self.streams.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for s in streams.into_iter().chain([self.lifecycle]) {
+            // SAFETY: parked and lifecycle streams are owned here and nothing else can reach
+            // them now. This may wait for work still queued on them (see `streams`).
+            let _ = unsafe { cu::stream_destroy(s) };
+        }
+    }
+}
+
+/// A tracking event: taken from its device's pool, returned to it when the last tracker that
+/// references it lets go. Shared (`Arc`) because one operation's event is recorded in the
+/// tracker of every buffer it touches.
+pub(crate) struct PooledEvent {
+    pub(crate) raw: cudaEvent_t,
+    device: Arc<DeviceInner>,
+}
+
+// SAFETY: CUDA event handles may be used from any thread.
+unsafe impl Send for PooledEvent {}
+// SAFETY: the only operations on a shared PooledEvent are thread-safe CUDA calls.
+unsafe impl Sync for PooledEvent {}
+
+impl Drop for PooledEvent {
+    fn drop(&mut self) {
+        // Re-recording it later is safe even if it is still pending now: cudaStreamWaitEvent
+        // captured the state of each record at the time it was called.
+        let mut pool = self.device.events.lock().unwrap_or_else(|p| p.into_inner());
+        pool.push(self.raw);
+    }
+}
+
+impl Device {
+    /// How many CUDA devices this process can see. A machine with a driver but no GPU gives 0.
+    ///
+    /// # Errors
+    /// The CUDA runtime cannot be loaded, or the driver is missing or too old.
+    pub fn count() -> Result<usize> {
+        match cu::device_count() {
+            Ok(n) => Ok(n.max(0) as usize),
+            Err(Error::Cuda { code, .. }) if code == cudaError_t::cudaErrorNoDevice.0 as i32 => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Opens device `ordinal` and makes it current on this thread.
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] when `ordinal` is not below [`Device::count`]; CUDA errors otherwise.
+    pub fn new(ordinal: usize) -> Result<Device> {
+        let count = Device::count()?;
+        if ordinal >= count {
+            return Err(Error::NoDevice {
+                reason: format!("device {ordinal} was asked for, but this process sees {count}"),
+            });
+        }
+        let ordinal = ordinal as i32;
+        cu::set_device(ordinal)?;
+        // Keep freed memory in the pool: handing it back to the OS at every synchronisation
+        // would make the next allocation map it again.
+        cu::set_default_pool_release_threshold(ordinal, u64::MAX)?;
+        let lifecycle = cu::stream_create_non_blocking()?;
+        Ok(Device {
+            inner: Arc::new(DeviceInner {
+                ordinal,
+                lifecycle,
+                events: Mutex::new(Vec::new()),
+                streams: Mutex::new(Vec::new()),
+                kernels_loaded: OnceCell::new(),
+            }),
+        })
+    }
+
+    /// The device's ordinal, as given to [`Device::new`].
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal as usize
+    }
+
+    /// The device's name, e.g. `NVIDIA H200`.
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub fn name(&self) -> Result<String> {
+        cu::device_name(self.inner.ordinal)
+    }
+
+    /// Makes this device current on the calling thread (`cudaSetDevice`).
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub fn set_current(&self) -> Result<()> {
+        cu::ensure_device(self.inner.ordinal)
+    }
+
+    /// Blocks until all work on this device has completed (`cudaDeviceSynchronize`).
+    ///
+    /// # Errors
+    /// CUDA errors, including the sticky error of a kernel that faulted.
+    pub fn synchronize(&self) -> Result<()> {
+        self.set_current()?;
+        cu::device_synchronize()
+    }
+
+    pub(crate) fn same(&self, other: &Device) -> bool {
+        self.inner.ordinal == other.inner.ordinal
+    }
+
+    /// A non-blocking stream, parked or new.
+    pub(crate) fn take_stream(&self) -> Result<cudaStream_t> {
+        let parked = self.inner.streams.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match parked {
+            Some(s) => Ok(s),
+            None => {
+                self.set_current()?;
+                cu::stream_create_non_blocking()
+            }
+        }
+    }
+
+    /// Parks a stream for reuse. Work still queued on it keeps running; a later user of the
+    /// handle gets a fresh [`crate::tracking::StreamId`], so tracking treats it as another
+    /// stream and waits for that work through events where it must.
+    pub(crate) fn park_stream(&self, s: cudaStream_t) {
+        self.inner
+            .streams
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(s);
+    }
+
+    /// A tracking event, from the pool or new.
+    pub(crate) fn take_event(&self) -> Result<Arc<PooledEvent>> {
+        let pooled = self.inner.events.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let raw = match pooled {
+            Some(e) => e,
+            None => cu::event_create(false)?,
+        };
+        Ok(Arc::new(PooledEvent {
+            raw,
+            device: self.inner.clone(),
+        }))
+    }
+}

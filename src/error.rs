@@ -1,0 +1,146 @@
+//! The crate's one error type.
+
+/// Everything that can go wrong in handoff. Each variant says what failed and what to do.
+///
+/// The raw status codes stay reachable (`code` fields) for callers who match on them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A shared library could not be opened at all.
+    #[error(
+        "could not open {library}; tried: {tried}. Install {expected}, or set {variable} to the \
+         full path of the file"
+    )]
+    LibraryNotFound {
+        /// The library's soname, e.g. `libcudart.so.13`.
+        library: &'static str,
+        /// The variable that names the file instead of the search path.
+        variable: &'static str,
+        /// What to install.
+        expected: &'static str,
+        /// Each file tried, with the loader's reason.
+        tried: String,
+    },
+
+    /// A shared library opened but is not one the crate can use (a function is missing or its
+    /// version is too old).
+    #[error(
+        "{path} opened but is not a usable {library}: {detail}. Install {expected}, or set \
+         {variable} to a compatible file"
+    )]
+    LibraryIncompatible {
+        /// The library's soname.
+        library: &'static str,
+        /// The file that was opened.
+        path: String,
+        /// What is wrong with it.
+        detail: String,
+        /// What to install.
+        expected: &'static str,
+        /// The variable that names the file to use.
+        variable: &'static str,
+    },
+
+    /// A CUDA runtime call returned an error.
+    #[error("{call} failed with {name} ({code}): {message}{}", cuda_hint(*.code))]
+    Cuda {
+        /// The runtime function, e.g. `cudaMallocAsync`.
+        call: &'static str,
+        /// The raw `cudaError_t`.
+        code: i32,
+        /// `cudaGetErrorName`, e.g. `cudaErrorMemoryAllocation`.
+        name: String,
+        /// `cudaGetErrorString`.
+        message: String,
+    },
+
+    /// An NCCL call returned an error.
+    #[error("{call} failed with {name} ({code}): {last_error}{}", nccl_hint(*.code))]
+    Nccl {
+        /// The NCCL function, e.g. `ncclSend`.
+        call: &'static str,
+        /// The raw `ncclResult_t`.
+        code: i32,
+        /// `ncclGetErrorString`.
+        name: String,
+        /// `ncclGetLastError`: NCCL's own account of the failure (empty if it had none).
+        last_error: String,
+    },
+
+    /// No CUDA device can be used.
+    #[error(
+        "no usable CUDA device: {reason}. Check `nvidia-smi`, the driver (CUDA 13 needs driver \
+         580 or newer) and CUDA_VISIBLE_DEVICES"
+    )]
+    NoDevice {
+        /// Why none is usable.
+        reason: String,
+    },
+
+    /// An argument was rejected before any CUDA or NCCL call was made.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+fn cuda_hint(code: i32) -> &'static str {
+    match code {
+        2 => ". The GPU is out of memory: free buffers or use smaller ones",
+        35 => ". The driver is older than CUDA 13's runtime needs: install driver 580 or newer",
+        100 => ". No GPU is visible: check nvidia-smi and CUDA_VISIBLE_DEVICES",
+        101 => ". The device ordinal is out of range: see Device::count()",
+        222 => ". The PTX is newer than the driver accepts: build with an nvcc no newer than the driver",
+        _ => "",
+    }
+}
+
+fn nccl_hint(code: i32) -> &'static str {
+    match code {
+        1 => ". A CUDA call inside NCCL failed: check the device and its memory",
+        2 => ". NCCL hit a system error (sockets, shared memory): NCCL_DEBUG=WARN shows more",
+        3 => ". NCCL's internal check failed: set NCCL_DEBUG=WARN and report it",
+        4 => ". An argument NCCL received was invalid",
+        5 => ". NCCL was used wrongly (e.g. calls out of order, or two ranks on one GPU)",
+        6 => ". A remote rank failed or disconnected",
+        _ => "",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_error_names_the_call_code_and_remedy() {
+        let e = Error::Cuda {
+            call: "cudaMallocAsync",
+            code: 2,
+            name: "cudaErrorMemoryAllocation".into(),
+            message: "out of memory".into(),
+        };
+        let s = e.to_string();
+        assert!(
+            s.starts_with("cudaMallocAsync failed with cudaErrorMemoryAllocation (2): out of memory"),
+            "{s}"
+        );
+        assert!(s.contains("free buffers"), "{s}");
+    }
+
+    #[test]
+    fn nccl_error_carries_last_error_text() {
+        let e = Error::Nccl {
+            call: "ncclCommInitRank",
+            code: 5,
+            name: "invalid usage".into(),
+            last_error: "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 0".into(),
+        };
+        let s = e.to_string();
+        assert!(
+            s.contains("ncclCommInitRank failed with invalid usage (5)"),
+            "{s}"
+        );
+        assert!(s.contains("Duplicate GPU detected"), "{s}");
+    }
+}

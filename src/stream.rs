@@ -1,0 +1,288 @@
+//! [`Stream`] and [`Event`], and the one place where tracked operations are queued.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::device::{Device, PooledEvent};
+use crate::error::{Error, Result};
+use crate::result as cu;
+use crate::sys::cudart::{cudaEvent_t, cudaStream_t};
+use crate::tracking::{Access, StreamId, UseTracker};
+
+/// A CUDA stream: a queue of GPU work that runs in order.
+///
+/// Created non-blocking (`cudaStreamNonBlocking`), so it never synchronises implicitly with the
+/// legacy default stream. A call that queues work returns before the work runs; a
+/// [`DeviceBuffer`](crate::DeviceBuffer) keeps track of which streams still use it and makes
+/// later conflicting work wait on the GPU, so queueing in any order on any streams is safe.
+///
+/// Dropping a stream does not wait: work already queued still runs, and the handle is kept by
+/// the device for a later [`Stream::new`].
+pub struct Stream {
+    raw: cudaStream_t,
+    id: StreamId,
+    device: Device,
+}
+
+// SAFETY: CUDA streams may be used from any host thread; the runtime serialises access.
+unsafe impl Send for Stream {}
+// SAFETY: every method takes `&self` and makes only thread-safe runtime calls.
+unsafe impl Sync for Stream {}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("id", &self.id.0)
+            .field("device", &self.device.ordinal())
+            .finish()
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // Trackers refer to this stream's work by event and by a StreamId that is never
+        // reused, never by handle, so handing the handle to a later Stream is safe.
+        self.device.park_stream(self.raw);
+    }
+}
+
+/// The pending uses of one piece of device memory, and the device it lives on.
+pub(crate) struct Tracked {
+    device: Device,
+    uses: Mutex<UseTracker<Arc<PooledEvent>>>,
+}
+
+impl Tracked {
+    pub(crate) fn new(device: &Device) -> Tracked {
+        Tracked {
+            device: device.clone(),
+            uses: Mutex::new(UseTracker::new()),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, UseTracker<Arc<PooledEvent>>> {
+        // A panic while holding the lock cannot leave the tracker half-updated in a way that
+        // loses a use (each method updates it in one step), so a poisoned lock is still usable.
+        self.uses.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Stream {
+    /// A new stream on `device`.
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub fn new(device: &Device) -> Result<Stream> {
+        let raw = device.take_stream()?;
+        Ok(Stream {
+            raw,
+            id: StreamId::fresh(),
+            device: device.clone(),
+        })
+    }
+
+    /// The device the stream belongs to.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The raw handle, for calling CUDA or NCCL directly. Work queued through it is not
+    /// tracked: the caller takes on the ordering that the safe API otherwise provides.
+    pub fn as_raw(&self) -> cudaStream_t {
+        self.raw
+    }
+
+    /// Blocks the host until all work queued so far on this stream has completed.
+    ///
+    /// # Errors
+    /// CUDA errors, including a fault in earlier work.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: the handle is live for as long as `self`.
+        unsafe { cu::stream_synchronize(self.raw) }
+    }
+
+    /// True when all work queued so far has completed; does not block.
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub fn is_idle(&self) -> Result<bool> {
+        // SAFETY: the handle is live for as long as `self`.
+        unsafe { cu::stream_query(self.raw) }
+    }
+
+    /// Records `event` here: it completes when the work queued so far has.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the event belongs to another device; CUDA errors.
+    pub fn record(&self, event: &Event) -> Result<()> {
+        self.check_device(&event.device, "the event")?;
+        // SAFETY: both handles are live and of the same device.
+        unsafe { cu::event_record(event.raw, self.raw) }
+    }
+
+    /// Makes work queued here after this call wait, on the GPU, for `event`'s last record. The
+    /// host does not block. The event may belong to another device.
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        // SAFETY: both handles are live; cross-device waits are allowed.
+        unsafe { cu::stream_wait_event(self.raw, event.raw) }
+    }
+
+    pub(crate) fn check_device(&self, other: &Device, what: &str) -> Result<()> {
+        if self.device.same(other) {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "{what} is on device {} but the stream is on device {}",
+                other.ordinal(),
+                self.device.ordinal()
+            )))
+        }
+    }
+
+    /// Queues one operation that uses the given memory, safely:
+    /// 1. makes this stream wait for every earlier conflicting use (see [`crate::tracking`]);
+    /// 2. runs `op`, which queues the work on the raw stream;
+    /// 3. records one event after it and registers it with every tracker.
+    ///
+    /// If recording fails after `op` queued its work, the host waits for the stream instead, so
+    /// no untracked use is left pending; if even that fails, the error is returned (the device
+    /// is then in CUDA's sticky error state, where no further work runs).
+    pub(crate) fn enqueue<R>(
+        &self,
+        uses: &[(&Tracked, Access)],
+        op: impl FnOnce(cudaStream_t) -> Result<R>,
+    ) -> Result<R> {
+        for (t, what) in uses {
+            self.check_device(
+                &t.device,
+                if *what == Access::Read {
+                    "an input buffer"
+                } else {
+                    "an output buffer"
+                },
+            )?;
+        }
+        self.device.set_current()?;
+        for (t, access) in uses {
+            let tracker = t.lock();
+            for e in tracker.waits(self.id, *access) {
+                // SAFETY: the stream is live; the event is kept alive by the tracker.
+                unsafe { cu::stream_wait_event(self.raw, e.raw)? };
+            }
+        }
+        let out = op(self.raw)?;
+        if !uses.is_empty() && self.record_uses(uses).is_err() {
+            // The operation is queued but untracked. Wait for it on the host: once it has
+            // completed it needs no tracking, and the trackers' older entries stay correct.
+            self.synchronize()?;
+        }
+        Ok(out)
+    }
+
+    fn record_uses(&self, uses: &[(&Tracked, Access)]) -> Result<()> {
+        let event = self.device.take_event()?;
+        // SAFETY: both handles are live and of the same device.
+        unsafe { cu::event_record(event.raw, self.raw)? };
+        for (t, access) in uses {
+            t.lock().record(self.id, *access, event.clone());
+        }
+        Ok(())
+    }
+}
+
+/// A CUDA event: a point in a stream that other streams can wait for and the host can
+/// query, and, between two of them, a GPU-side timer.
+pub struct Event {
+    raw: cudaEvent_t,
+    device: Device,
+    timing: bool,
+}
+
+// SAFETY: CUDA events may be used from any host thread.
+unsafe impl Send for Event {}
+// SAFETY: every method takes `&self` and makes only thread-safe runtime calls.
+unsafe impl Sync for Event {}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Event")
+            .field("device", &self.device.ordinal())
+            .field("timing", &self.timing)
+            .finish()
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: owned handle; a pending event is released by the runtime once it completes.
+        let _ = unsafe { cu::event_destroy(self.raw) };
+    }
+}
+
+impl Event {
+    /// An event that can time ([`Event::elapsed_ms`]).
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub fn new(device: &Device) -> Result<Event> {
+        Self::create(device, true)
+    }
+
+    /// An event for ordering only, cheaper to record and wait for.
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub fn without_timing(device: &Device) -> Result<Event> {
+        Self::create(device, false)
+    }
+
+    fn create(device: &Device, timing: bool) -> Result<Event> {
+        device.set_current()?;
+        let raw = cu::event_create(timing)?;
+        Ok(Event {
+            raw,
+            device: device.clone(),
+            timing,
+        })
+    }
+
+    /// Blocks the host until the work before the last record has completed.
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: live handle.
+        unsafe { cu::event_synchronize(self.raw) }
+    }
+
+    /// True when the work before the last record has completed (or it was never recorded).
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub fn is_complete(&self) -> Result<bool> {
+        // SAFETY: live handle.
+        unsafe { cu::event_query(self.raw) }
+    }
+
+    /// Milliseconds of GPU time from `self` to `end`; both must have completed.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if either was made without timing; CUDA errors (e.g. one not
+    /// yet complete).
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        if !self.timing || !end.timing {
+            return Err(Error::InvalidArgument(
+                "elapsed_ms needs two events made with Event::new".into(),
+            ));
+        }
+        // SAFETY: live handles created with timing.
+        unsafe { cu::event_elapsed_ms(self.raw, end.raw) }
+    }
+
+    /// The raw handle.
+    pub fn as_raw(&self) -> cudaEvent_t {
+        self.raw
+    }
+}

@@ -1,0 +1,340 @@
+//! Use tracking: the rules that keep a buffer from being reused too early, as a plain data
+//! structure with no CUDA in it, so that CPU tests exercise every rule.
+//!
+//! # The model
+//! Every stream operation that touches a buffer is a *use*: a read (a kernel's input, the
+//! source of a copy, a send) or a write (a kernel's output, the target of a copy, a receive).
+//! After queueing an operation, the caller records an event on its stream and hands it to
+//! [`UseTracker::record`]. Before queueing the next operation on a buffer, the caller asks
+//! [`UseTracker::waits`] which earlier uses it conflicts with and makes its stream wait for
+//! their events on the GPU (`cudaStreamWaitEvent`); the host does not block.
+//!
+//! | new use | must wait for |
+//! |---|---|
+//! | read  | the last write (read after write) |
+//! | write | the last write (write after write) and **every** read since it (write after read) |
+//!
+//! Uses on the same stream are ordered by the stream itself, so they are never waited for.
+//! Every read since the last write is kept, one per stream (a later read on a stream
+//! supersedes an earlier one there): cudarc keeps one read event per buffer, so a write after
+//! reads on two streams waits for only one of them.
+//!
+//! A recorded write supersedes everything before it: it waited, on the GPU, for every earlier
+//! use, so its event completes only after theirs. That keeps the state small: one write and at
+//! most one read per stream.
+//!
+//! Freeing follows the same rule as a write: [`UseTracker::take_all`] hands back every pending
+//! event, and the buffer's memory is released in stream order after all of them.
+
+/// Identifies a stream for the whole life of the process. Never reused, unlike a
+/// `cudaStream_t`, whose address a later stream can get once the first is destroyed: a reused
+/// id would make a use on a dead stream look stream-ordered with a new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(pub u64);
+
+impl StreamId {
+    /// A fresh id, distinct from every other this process has made.
+    pub fn fresh() -> StreamId {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        StreamId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// What an operation does to a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// The operation reads the buffer.
+    Read,
+    /// The operation writes (part of) the buffer.
+    Write,
+}
+
+/// One recorded use: the stream it ran on and the event recorded after it there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Use<E> {
+    /// The stream the operation was queued on.
+    pub stream: StreamId,
+    /// An event recorded on that stream after the operation.
+    pub event: E,
+}
+
+/// The pending uses of one buffer. `E` is the event type: a CUDA event handle in the crate, a
+/// plain value in tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UseTracker<E> {
+    write: Option<Use<E>>,
+    /// Reads since `write`, at most one per stream.
+    reads: Vec<Use<E>>,
+}
+
+impl<E> Default for UseTracker<E> {
+    fn default() -> Self {
+        UseTracker {
+            write: None,
+            reads: Vec::new(),
+        }
+    }
+}
+
+/// True when the crate was built to demonstrate what goes wrong without tracking
+/// (`RUSTFLAGS="--cfg handoff_bypass_tracking"`, used by `scripts/stage-device.sh` only).
+pub const BYPASSED: bool = cfg!(handoff_bypass_tracking);
+
+impl<E> UseTracker<E> {
+    /// A buffer with no pending use.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The events that an `access` on `stream` must wait for before it starts.
+    pub fn waits(&self, stream: StreamId, access: Access) -> impl Iterator<Item = &E> {
+        let reads: &[Use<E>] = match access {
+            Access::Read => &[],
+            Access::Write => &self.reads,
+        };
+        self.write
+            .iter()
+            .chain(reads)
+            .filter(move |u| !BYPASSED && u.stream != stream)
+            .map(|u| &u.event)
+    }
+
+    /// Records that an `access` was queued on `stream`, after waiting for [`Self::waits`], and
+    /// that `event` was recorded on `stream` after it.
+    pub fn record(&mut self, stream: StreamId, access: Access, event: E) {
+        let new = Use { stream, event };
+        match access {
+            Access::Read => match self.reads.iter_mut().find(|u| u.stream == stream) {
+                Some(slot) => *slot = new,
+                None => self.reads.push(new),
+            },
+            Access::Write => {
+                self.reads.clear();
+                self.write = Some(new);
+            }
+        }
+    }
+
+    /// Every pending use's event, leaving the tracker empty: what a free, or a host access
+    /// that blocks, must wait for.
+    pub fn take_all(&mut self) -> Vec<E> {
+        let all: Vec<E> = self
+            .write
+            .take()
+            .into_iter()
+            .chain(self.reads.drain(..))
+            .map(|u| u.event)
+            .collect();
+        if BYPASSED { Vec::new() } else { all }
+    }
+
+    /// The events a host read must wait for: the last write only.
+    pub fn last_write(&self) -> Option<&Use<E>> {
+        self.write.as_ref().filter(|_| !BYPASSED)
+    }
+
+    /// Forgets every use: for when the host has seen them all complete.
+    pub fn clear(&mut self) {
+        self.write = None;
+        self.reads.clear();
+    }
+
+    /// Every pending use, write first.
+    pub fn uses(&self) -> impl Iterator<Item = &Use<E>> {
+        self.write.iter().chain(&self.reads)
+    }
+
+    /// True when no use is pending.
+    pub fn is_empty(&self) -> bool {
+        self.write.is_none() && self.reads.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S1: StreamId = StreamId(1);
+    const S2: StreamId = StreamId(2);
+    const S3: StreamId = StreamId(3);
+
+    fn waits(t: &UseTracker<&'static str>, s: StreamId, a: Access) -> Vec<&'static str> {
+        let mut v: Vec<_> = t.waits(s, a).copied().collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn fresh_buffer_waits_for_nothing() {
+        let t = UseTracker::<&str>::new();
+        assert!(waits(&t, S1, Access::Read).is_empty());
+        assert!(waits(&t, S1, Access::Write).is_empty());
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn read_after_write_on_another_stream_waits_for_the_write() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Write, "w1");
+        assert_eq!(waits(&t, S2, Access::Read), ["w1"]);
+    }
+
+    #[test]
+    fn same_stream_never_waits() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Write, "w1");
+        t.record(S1, Access::Read, "r1");
+        assert!(waits(&t, S1, Access::Read).is_empty());
+        assert!(waits(&t, S1, Access::Write).is_empty());
+    }
+
+    #[test]
+    fn write_after_write_on_another_stream_waits() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Write, "w1");
+        assert_eq!(waits(&t, S2, Access::Write), ["w1"]);
+    }
+
+    #[test]
+    fn write_after_reads_on_two_streams_waits_for_both() {
+        // The case cudarc gets wrong: it keeps only the latest read.
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Read, "r1");
+        t.record(S2, Access::Read, "r2");
+        assert_eq!(waits(&t, S3, Access::Write), ["r1", "r2"]);
+        // A writer on S1 is ordered after r1 by its stream, so it waits for r2 only.
+        assert_eq!(waits(&t, S1, Access::Write), ["r2"]);
+    }
+
+    #[test]
+    fn reads_do_not_wait_for_reads() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Read, "r1");
+        assert!(waits(&t, S2, Access::Read).is_empty());
+    }
+
+    #[test]
+    fn later_read_on_a_stream_supersedes_the_earlier_one() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Read, "r1a");
+        t.record(S2, Access::Read, "r2");
+        t.record(S1, Access::Read, "r1b");
+        assert_eq!(waits(&t, S3, Access::Write), ["r1b", "r2"]);
+        assert_eq!(t.uses().count(), 2);
+    }
+
+    #[test]
+    fn write_supersedes_earlier_uses() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Write, "w1");
+        t.record(S2, Access::Read, "r2");
+        t.record(S3, Access::Read, "r3");
+        // The caller made S1 wait for r2 and r3 before this write.
+        t.record(S1, Access::Write, "w1b");
+        assert_eq!(waits(&t, S2, Access::Write), ["w1b"]);
+        assert_eq!(waits(&t, S3, Access::Read), ["w1b"]);
+        assert_eq!(t.uses().count(), 1);
+    }
+
+    #[test]
+    fn read_after_write_then_reads_keeps_waiting_for_the_write() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Write, "w1");
+        t.record(S2, Access::Read, "r2");
+        assert_eq!(waits(&t, S3, Access::Read), ["w1"]);
+        assert_eq!(waits(&t, S3, Access::Write), ["r2", "w1"]);
+    }
+
+    #[test]
+    fn free_waits_for_every_pending_use_on_every_stream() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Write, "w1");
+        t.record(S2, Access::Read, "r2");
+        t.record(S3, Access::Read, "r3");
+        let mut all = t.take_all();
+        all.sort();
+        assert_eq!(all, ["r2", "r3", "w1"]);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn host_read_waits_for_last_write_only() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Write, "w1");
+        t.record(S2, Access::Read, "r2");
+        assert_eq!(t.last_write().map(|u| u.event), Some("w1"));
+        t.clear();
+        assert!(t.last_write().is_none() && t.is_empty());
+    }
+
+    #[test]
+    fn stream_ids_are_never_reused() {
+        let a = StreamId::fresh();
+        let b = StreamId::fresh();
+        assert_ne!(a, b);
+    }
+
+    /// A model check over every sequence of up to five uses on three streams: simulate GPU
+    /// completion order as "each op may start only after what it waited for and its stream
+    /// predecessor", and check that no conflicting pair of uses can run out of order.
+    #[test]
+    fn no_sequence_lets_conflicting_uses_overlap() {
+        let streams = [S1, S2, S3];
+        let ops: Vec<(StreamId, Access)> = streams
+            .iter()
+            .flat_map(|&s| [(s, Access::Read), (s, Access::Write)])
+            .collect();
+        let mut checked = 0;
+        for len in 1..=5u32 {
+            for code in 0..ops.len().pow(len) {
+                let mut seq = Vec::new();
+                let mut c = code;
+                for _ in 0..len {
+                    seq.push(ops[c % ops.len()]);
+                    c /= ops.len();
+                }
+                check_sequence(&seq);
+                checked += 1;
+            }
+        }
+        assert!(checked > 9000);
+    }
+
+    /// `happens_before[i]` holds every op index that op i is ordered after, through stream
+    /// order and event waits, transitively.
+    fn check_sequence(seq: &[(StreamId, Access)]) {
+        let mut t = UseTracker::<usize>::new();
+        let mut before: Vec<std::collections::BTreeSet<usize>> = Vec::new();
+        for (i, &(s, a)) in seq.iter().enumerate() {
+            let mut deps = std::collections::BTreeSet::new();
+            for j in 0..i {
+                if seq[j].0 == s {
+                    deps.insert(j);
+                    deps.extend(before[j].iter().copied());
+                }
+            }
+            for &e in t.waits(s, a) {
+                deps.insert(e);
+                deps.extend(before[e].iter().copied());
+            }
+            before.push(deps);
+            t.record(s, a, i);
+        }
+        for i in 0..seq.len() {
+            for j in 0..i {
+                let conflict = seq[i].1 == Access::Write || seq[j].1 == Access::Write;
+                if conflict {
+                    assert!(before[i].contains(&j), "{seq:?}: op {i} may overlap op {j}");
+                }
+            }
+        }
+        // Freeing after the sequence must come after every op.
+        let freed: std::collections::BTreeSet<usize> = t
+            .take_all()
+            .into_iter()
+            .flat_map(|e| before[e].iter().copied().chain([e]).collect::<Vec<_>>())
+            .collect();
+        assert_eq!(freed.len(), seq.len(), "{seq:?}: free may overlap a use");
+    }
+}

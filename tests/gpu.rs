@@ -1,0 +1,269 @@
+//! GPU tests of the foundation: the article's kernels, and the hazards that use tracking
+//! exists to prevent. Each hazard test fails when tracking is bypassed (built with
+//! `--cfg handoff_bypass_tracking`; `scripts/stage-device.sh` builds that twin).
+//!
+//! Reported as ignored where no GPU is usable; see `tests/common/mod.rs`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Gpus, assert_all_eq};
+use handoff::kernels::{self, produced_value};
+use handoff::{Device, DeviceBuffer, Error, Event, Stream};
+use libtest_mimic::Failed;
+
+/// Long enough that, without tracking, the conflicting operation queued after it on another
+/// stream certainly runs while it is still waiting.
+const LONG: Duration = Duration::from_millis(300);
+
+fn main() {
+    let g = Gpus::detect();
+    common::run(vec![
+        g.trial("a_then_b_on_one_stream_exact_values", 1, a_then_b_on_one_stream),
+        g.trial(
+            "hazard_a_write_after_long_read_on_another_stream",
+            1,
+            hazard_write_after_long_read,
+        ),
+        g.trial("hazard_b_drop_while_a_kernel_reads", 1, hazard_drop_while_read),
+        g.trial(
+            "hazard_c_host_copy_right_after_async_write",
+            1,
+            hazard_host_read_after_async_write,
+        ),
+        g.trial(
+            "write_waits_for_reads_on_two_streams",
+            1,
+            write_waits_for_reads_on_two_streams,
+        ),
+        g.trial(
+            "read_after_write_on_another_stream",
+            1,
+            read_after_write_on_another_stream,
+        ),
+        g.trial(
+            "stream_dropped_with_pending_work",
+            1,
+            stream_dropped_with_pending_work,
+        ),
+        g.trial("events_time_gpu_work", 1, events_time_gpu_work),
+        g.trial(
+            "zero_length_and_mismatched_lengths",
+            1,
+            zero_length_and_mismatched_lengths,
+        ),
+        g.trial(
+            "buffer_of_another_device_is_rejected",
+            2,
+            buffer_of_another_device_is_rejected,
+        ),
+    ]);
+}
+
+fn setup() -> Result<(Device, Stream, Stream), Failed> {
+    let dev = Device::new(0)?;
+    let s1 = Stream::new(&dev)?;
+    let s2 = Stream::new(&dev)?;
+    Ok((dev, s1, s2))
+}
+
+fn produced(stream: &Stream, n: usize, round: u32) -> Result<DeviceBuffer<f32>, Failed> {
+    let mut x = DeviceBuffer::zeros(stream, n)?;
+    kernels::produce(stream, &mut x, round)?;
+    Ok(x)
+}
+
+fn a_then_b_on_one_stream() -> Result<(), Failed> {
+    let (dev, s, _) = setup()?;
+    println!("device 0: {}", dev.name()?);
+    // The article's values first.
+    let x = produced(&s, 4, 0)?;
+    let mut y = DeviceBuffer::zeros(&s, 4)?;
+    kernels::twice(&s, &x, &mut y)?;
+    let got = y.to_vec(&s)?;
+    if got != [2.0, 4.0, 6.0, 8.0] {
+        return Err(format!("y = {got:?}, want [2, 4, 6, 8]").into());
+    }
+    for (n, round) in [
+        (1, 3),
+        (1000, 1),
+        (1 << 20, 7),
+        ((1 << 24) + 3, 2),
+        (50_000_000, 11),
+    ] {
+        let x = produced(&s, n, round)?;
+        let mut y = DeviceBuffer::zeros(&s, n)?;
+        kernels::twice(&s, &x, &mut y)?;
+        assert_all_eq(&format!("y for n={n}"), &y.to_vec(&s)?, |i| {
+            2.0 * produced_value(i, round)
+        })?;
+        assert_all_eq(&format!("x for n={n}"), &x.to_vec(&s)?, |i| {
+            produced_value(i, round)
+        })?;
+    }
+    Ok(())
+}
+
+/// (a) A long read on stream 1, then a write on stream 2: the reader must see the old values.
+fn hazard_write_after_long_read() -> Result<(), Failed> {
+    let (_dev, s1, s2) = setup()?;
+    let n = 1 << 16;
+    let mut x = produced(&s1, n, 0)?;
+    let mut out = DeviceBuffer::zeros(&s1, n)?;
+    kernels::delayed_copy(&s1, &x, &mut out, LONG)?;
+    kernels::produce(&s2, &mut x, 1)?;
+    assert_all_eq("reader's copy", &out.to_vec(&s1)?, |i| produced_value(i, 0))?;
+    assert_all_eq("x after the write", &x.to_vec(&s2)?, |i| produced_value(i, 1))
+}
+
+/// (b) A buffer dropped while a long kernel reads it, then new allocations filled with other
+/// values: the kernel's output must be unaffected.
+fn hazard_drop_while_read() -> Result<(), Failed> {
+    let (_dev, s1, s2) = setup()?;
+    let n = 1 << 16;
+    let x = produced(&s1, n, 0)?;
+    s1.synchronize()?;
+    let old_addr = x.as_raw_ptr() as usize;
+    let mut out = DeviceBuffer::zeros(&s1, n)?;
+    kernels::delayed_copy(&s1, &x, &mut out, LONG)?;
+    drop(x);
+    // Let the (correctly or wrongly ordered) free be seen as done, so the pool may hand the
+    // memory out again at once.
+    std::thread::sleep(Duration::from_millis(5));
+    let mut others = Vec::new();
+    let mut reused = false;
+    for k in 0..8 {
+        let mut b = DeviceBuffer::<f32>::zeros(&s2, n)?;
+        reused |= b.as_raw_ptr() as usize == old_addr;
+        kernels::produce(&s2, &mut b, 1000 + k)?;
+        others.push(b);
+    }
+    println!("freed memory handed out again while the reader waited: {reused}");
+    assert_all_eq("reader's copy", &out.to_vec(&s1)?, |i| produced_value(i, 0))?;
+    for (k, b) in others.iter().enumerate() {
+        assert_all_eq("new buffer", &b.to_vec(&s2)?, |i| {
+            produced_value(i, 1000 + k as u32)
+        })?;
+    }
+    Ok(())
+}
+
+/// (c) A host copy right after an asynchronous write, on another stream, returns the new values.
+fn hazard_host_read_after_async_write() -> Result<(), Failed> {
+    let (_dev, s1, s2) = setup()?;
+    let n = 1 << 16;
+    let mut x = produced(&s1, n, 0)?;
+    s1.synchronize()?;
+    kernels::busy(&s1, LONG)?;
+    kernels::produce(&s1, &mut x, 5)?;
+    assert_all_eq("host copy", &x.to_vec(&s2)?, |i| produced_value(i, 5))
+}
+
+/// Reads on two streams, then a write on a third: the write must wait for both reads (cudarc
+/// keeps only the latest read and would wait for the shorter one here).
+fn write_waits_for_reads_on_two_streams() -> Result<(), Failed> {
+    let (dev, s1, s2) = setup()?;
+    let s3 = Stream::new(&dev)?;
+    let n = 1 << 16;
+    let mut x = produced(&s1, n, 0)?;
+    let mut out1 = DeviceBuffer::zeros(&s1, n)?;
+    let mut out2 = DeviceBuffer::zeros(&s2, n)?;
+    kernels::delayed_copy(&s1, &x, &mut out1, LONG)?;
+    kernels::delayed_copy(&s2, &x, &mut out2, LONG / 10)?;
+    kernels::produce(&s3, &mut x, 9)?;
+    assert_all_eq("first reader", &out1.to_vec(&s1)?, |i| produced_value(i, 0))?;
+    assert_all_eq("second reader", &out2.to_vec(&s2)?, |i| produced_value(i, 0))?;
+    assert_all_eq("x", &x.to_vec(&s3)?, |i| produced_value(i, 9))
+}
+
+/// A late write on stream 1, then B on stream 2: B must read the new x.
+fn read_after_write_on_another_stream() -> Result<(), Failed> {
+    let (_dev, s1, s2) = setup()?;
+    let n = 1 << 16;
+    let mut x = produced(&s1, n, 0)?;
+    s1.synchronize()?;
+    let mut y = DeviceBuffer::zeros(&s2, n)?;
+    kernels::busy(&s1, LONG)?;
+    kernels::produce(&s1, &mut x, 3)?;
+    kernels::twice(&s2, &x, &mut y)?;
+    assert_all_eq("y", &y.to_vec(&s2)?, |i| 2.0 * produced_value(i, 3))
+}
+
+/// Dropping a stream with queued work neither blocks nor loses the ordering it owes.
+fn stream_dropped_with_pending_work() -> Result<(), Failed> {
+    let (dev, s1, _) = setup()?;
+    let n = 1 << 16;
+    let mut x = produced(&s1, n, 0)?;
+    {
+        let tmp = Stream::new(&dev)?;
+        kernels::busy(&tmp, LONG)?;
+        kernels::produce(&tmp, &mut x, 2)?;
+        let t = std::time::Instant::now();
+        drop(tmp);
+        if t.elapsed() > LONG / 2 {
+            return Err(format!("dropping a busy stream blocked for {:?}", t.elapsed()).into());
+        }
+    }
+    assert_all_eq("x", &x.to_vec(&s1)?, |i| produced_value(i, 2))
+}
+
+fn events_time_gpu_work() -> Result<(), Failed> {
+    let (dev, s, _) = setup()?;
+    // The first launch in a process loads the kernels (JIT from PTX): keep it out of the timing.
+    kernels::busy(&s, Duration::ZERO)?;
+    s.synchronize()?;
+    let (start, end) = (Event::new(&dev)?, Event::new(&dev)?);
+    s.record(&start)?;
+    kernels::busy(&s, Duration::from_millis(50))?;
+    s.record(&end)?;
+    end.synchronize()?;
+    let ms = start.elapsed_ms(&end)?;
+    println!("50 ms of busy work timed at {ms:.2} ms");
+    if !(45.0..500.0).contains(&ms) {
+        return Err(format!("busy(50 ms) timed at {ms} ms").into());
+    }
+    let untimed = Event::without_timing(&dev)?;
+    s.record(&untimed)?;
+    untimed.synchronize()?;
+    assert!(untimed.is_complete()?);
+    match start.elapsed_ms(&untimed) {
+        Err(Error::InvalidArgument(_)) => Ok(()),
+        other => Err(format!("timing with an untimed event gave {other:?}").into()),
+    }
+}
+
+fn zero_length_and_mismatched_lengths() -> Result<(), Failed> {
+    let (_dev, s, _) = setup()?;
+    let mut empty = DeviceBuffer::<f32>::zeros(&s, 0)?;
+    kernels::produce(&s, &mut empty, 1)?;
+    if !empty.to_vec(&s)?.is_empty() || !empty.is_empty() {
+        return Err("an empty buffer is not empty".into());
+    }
+    let x = produced(&s, 8, 0)?;
+    let mut y = DeviceBuffer::zeros(&s, 7)?;
+    match kernels::twice(&s, &x, &mut y) {
+        Err(Error::InvalidArgument(m)) => println!("rejected: {m}"),
+        other => return Err(format!("twice with lengths 8 and 7 gave {other:?}").into()),
+    }
+    let mut z = DeviceBuffer::<u32>::from_slice(&s, &[1, 2, 3])?;
+    match z.copy_from_slice(&s, &[1, 2]) {
+        Err(Error::InvalidArgument(_)) => {}
+        other => return Err(format!("copy of 2 into 3 gave {other:?}").into()),
+    }
+    if z.to_vec(&s)? != [1, 2, 3] {
+        return Err("a rejected copy changed the buffer".into());
+    }
+    Ok(())
+}
+
+fn buffer_of_another_device_is_rejected() -> Result<(), Failed> {
+    let (d0, d1) = (Device::new(0)?, Device::new(1)?);
+    let (s0, s1) = (Stream::new(&d0)?, Stream::new(&d1)?);
+    let mut x = produced(&s0, 16, 0)?;
+    match kernels::produce(&s1, &mut x, 1) {
+        Err(Error::InvalidArgument(m)) => println!("rejected: {m}"),
+        other => return Err(format!("a device-0 buffer on a device-1 stream gave {other:?}").into()),
+    }
+    assert_all_eq("x", &x.to_vec(&s0)?, |i| produced_value(i, 0))
+}
