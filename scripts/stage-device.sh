@@ -34,7 +34,7 @@ stage_tests "$stage/tests"
 cargo build --profile device --examples
 find target/device/examples -maxdepth 1 -type f -executable ! -name '*-*' -exec cp {} "$stage/examples/" \;
 
-RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu
+RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu --test comm
 
 du -sh "$stage"
 ls -l "$stage"/*

@@ -77,6 +77,36 @@ pub enum Error {
         reason: String,
     },
 
+    /// A host-side wait passed its deadline: a peer that never came, an operation that never
+    /// matched, a finalize that never completed. A communicator is aborted before this is
+    /// returned.
+    #[error(
+        "{what} did not complete within {after:?}: a peer may have died, never started, or          posted a different operation; check that every rank runs and that their sends and          receives match, or raise the timeout"
+    )]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// The timeout that passed.
+        after: std::time::Duration,
+    },
+
+    /// The communicator was aborted (explicitly, or after an error or a timeout), or is
+    /// otherwise unusable; every later call on it returns this.
+    #[error("the communicator is unusable: {reason}. Create a new one (all ranks must)")]
+    CommunicatorUnusable {
+        /// Why: the error that broke it, or an explicit abort.
+        reason: String,
+    },
+
+    /// Exchanging the unique id between processes failed.
+    #[error("bootstrap at {addr} failed: {detail}")]
+    Bootstrap {
+        /// The address served or contacted (MASTER_ADDR:MASTER_PORT).
+        addr: String,
+        /// What went wrong, and what to do.
+        detail: String,
+    },
+
     /// An argument was rejected before any CUDA or NCCL call was made.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

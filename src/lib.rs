@@ -40,7 +40,9 @@
 
 #![warn(missing_docs)]
 
+pub mod bootstrap;
 pub mod buffer;
+pub mod comm;
 pub mod device;
 pub mod error;
 pub mod kernels;
@@ -49,7 +51,9 @@ pub mod stream;
 pub mod sys;
 pub mod tracking;
 
+pub use bootstrap::Launch;
 pub use buffer::DeviceBuffer;
+pub use comm::{Communicator, Group, NcclType, UniqueId, group};
 pub use device::Device;
 pub use error::{Error, Result};
 pub use stream::{Event, Stream};

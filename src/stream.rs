@@ -141,54 +141,78 @@ impl Stream {
         }
     }
 
+    pub(crate) fn id(&self) -> StreamId {
+        self.id
+    }
+
     /// Queues one operation that uses the given memory, safely:
     /// 1. makes this stream wait for every earlier conflicting use (see [`crate::tracking`]);
     /// 2. runs `op`, which queues the work on the raw stream;
     /// 3. records one event after it and registers it with every tracker.
-    ///
-    /// If recording fails after `op` queued its work, the host waits for the stream instead, so
-    /// no untracked use is left pending; if even that fails, the error is returned (the device
-    /// is then in CUDA's sticky error state, where no further work runs).
     pub(crate) fn enqueue<R>(
         &self,
         uses: &[(&Tracked, Access)],
         op: impl FnOnce(cudaStream_t) -> Result<R>,
     ) -> Result<R> {
-        for (t, what) in uses {
-            self.check_device(
-                &t.device,
-                if *what == Access::Read {
-                    "an input buffer"
-                } else {
-                    "an output buffer"
-                },
-            )?;
+        for (t, access) in uses {
+            self.check_tracked(t, *access)?;
         }
         self.device.set_current()?;
         for (t, access) in uses {
-            let tracker = t.lock();
-            for e in tracker.waits(self.id, *access) {
-                // SAFETY: the stream is live; the event is kept alive by the tracker.
-                unsafe { cu::stream_wait_event(self.raw, e.raw)? };
-            }
+            self.wait_for_conflicts(t, *access)?;
         }
         let out = op(self.raw)?;
-        if !uses.is_empty() && self.record_uses(uses).is_err() {
-            // The operation is queued but untracked. Wait for it on the host: once it has
-            // completed it needs no tracking, and the trackers' older entries stay correct.
-            self.synchronize()?;
-        }
+        self.record_uses(uses.iter().copied())?;
         Ok(out)
     }
 
-    fn record_uses(&self, uses: &[(&Tracked, Access)]) -> Result<()> {
-        let event = self.device.take_event()?;
-        // SAFETY: both handles are live and of the same device.
-        unsafe { cu::event_record(event.raw, self.raw)? };
-        for (t, access) in uses {
-            t.lock().record(self.id, *access, event.clone());
+    pub(crate) fn check_tracked(&self, t: &Tracked, access: Access) -> Result<()> {
+        let what = if access == Access::Read {
+            "an input buffer"
+        } else {
+            "an output buffer"
+        };
+        self.check_device(&t.device, what)
+    }
+
+    /// Makes this stream wait, on the GPU, for the uses of `t` that an `access` here conflicts
+    /// with. The stream's device must be current.
+    pub(crate) fn wait_for_conflicts(&self, t: &Tracked, access: Access) -> Result<()> {
+        let tracker = t.lock();
+        for e in tracker.waits(self.id, access) {
+            // SAFETY: the stream is live; the event is kept alive by the tracker.
+            unsafe { cu::stream_wait_event(self.raw, e.raw)? };
         }
         Ok(())
+    }
+
+    /// Records one event here, after the work just queued, and registers it as the latest use
+    /// of each tracker. If recording fails, the host waits for the stream instead, so no
+    /// untracked use is left pending; if even that fails, the error is returned (the device is
+    /// then in CUDA's sticky error state, where no further work runs).
+    pub(crate) fn record_uses<'t>(
+        &self,
+        uses: impl Iterator<Item = (&'t Tracked, Access)> + Clone,
+    ) -> Result<()> {
+        if uses.clone().next().is_none() {
+            return Ok(());
+        }
+        let recorded = self.device.take_event().and_then(|event| {
+            // SAFETY: both handles are live and of the same device.
+            unsafe { cu::event_record(event.raw, self.raw)? };
+            Ok(event)
+        });
+        match recorded {
+            Ok(event) => {
+                for (t, access) in uses {
+                    t.lock().record(self.id, access, event.clone());
+                }
+                Ok(())
+            }
+            // The work is queued but untracked. Once it has completed it needs no tracking,
+            // and the trackers' older entries stay correct.
+            Err(_) => self.synchronize(),
+        }
     }
 }
 

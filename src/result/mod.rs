@@ -426,3 +426,4 @@ mod tests {
         ));
     }
 }
+pub mod nccl;

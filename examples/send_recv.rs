@@ -1,0 +1,187 @@
+//! The article end to end: a value produced on one GPU, received and used on another.
+//!
+//! Rank 0: kernel A writes x on stream S0, then sends x to rank 1 on S0.
+//! Rank 1: receives x on stream S1, then kernel B computes y = 2x on S1, copies y to the host and
+//! prints it: [2, 4, 6, 8] in round 0. Several rounds reuse the communicator and the buffers;
+//! use tracking keeps each round's A from overwriting x before the send has read it, and each
+//! receive from overwriting x before B has read it. Every y is checked.
+//!
+//! - Run plainly (`cargo run --example send_recv`), it starts two processes of itself, one GPU
+//!   each, as a launcher would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+//! - Run under torchrun, Slurm or mpirun, it plays the one rank their variables name.
+//! - With one GPU it says that two are needed and runs the same flow as a one-rank
+//!   communicator sending to itself. With none it exits non-zero.
+
+use std::process::Command;
+use std::time::Duration;
+
+use handoff::kernels::{self, produced_value};
+use handoff::{Communicator, Device, DeviceBuffer, Launch, Stream, group};
+
+const ROUNDS: u32 = 4;
+const N: usize = 4;
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+fn main() {
+    let result = match Launch::from_env() {
+        Ok(Some(launch)) => run_rank(&launch),
+        Ok(None) => start(),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = result {
+        eprintln!("send_recv [pid {}]: error: {e}", std::process::id());
+        std::process::exit(1);
+    }
+}
+
+/// No launcher: start two ranks as processes, or fall back to one GPU.
+fn start() -> handoff::Result<()> {
+    let gpus = Device::count()?;
+    match gpus {
+        0 => Err(handoff::Error::NoDevice {
+            reason: "the CUDA runtime reports 0 devices".into(),
+        }),
+        1 => {
+            println!(
+                "send_recv: two GPUs are needed for the two-process run; this machine has one. \
+                 Running the same flow as a one-rank communicator that sends to itself."
+            );
+            run_self()
+        }
+        _ => spawn_two(),
+    }
+}
+
+fn spawn_two() -> handoff::Result<()> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| handoff::Error::InvalidArgument(format!("no free local port: {e}")))?;
+    let exe = std::env::current_exe().map_err(|e| handoff::Error::InvalidArgument(e.to_string()))?;
+    println!("send_recv: starting 2 processes (ranks 0 and 1, GPUs 0 and 1), rendezvous at 127.0.0.1:{port}");
+    let mut children = Vec::new();
+    for rank in 0..2 {
+        let child = Command::new(&exe)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("LOCAL_RANK", rank.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .spawn()
+            .map_err(|e| handoff::Error::InvalidArgument(format!("cannot start rank {rank}: {e}")))?;
+        children.push(child);
+    }
+    let mut failed = Vec::new();
+    for (rank, mut c) in children.into_iter().enumerate() {
+        match c.wait() {
+            Ok(s) if s.success() => {}
+            _ => failed.push(rank),
+        }
+    }
+    if failed.is_empty() {
+        println!("send_recv: both ranks finished; every y was checked");
+        Ok(())
+    } else {
+        Err(handoff::Error::InvalidArgument(format!(
+            "rank(s) {failed:?} failed"
+        )))
+    }
+}
+
+fn fmt(v: &[f32]) -> String {
+    let items: Vec<String> = v.iter().map(|x| format!("{x}")).collect();
+    format!("[{}]", items.join(", "))
+}
+
+fn check(round: u32, y: &[f32]) -> handoff::Result<()> {
+    let want: Vec<f32> = (0..y.len()).map(|i| 2.0 * produced_value(i, round)).collect();
+    if y == want {
+        Ok(())
+    } else {
+        Err(handoff::Error::InvalidArgument(format!(
+            "round {round}: y = {y:?}, want {want:?}"
+        )))
+    }
+}
+
+/// One rank of the two-process run.
+fn run_rank(launch: &Launch) -> handoff::Result<()> {
+    let comm = launch.communicator(TIMEOUT)?;
+    let gpu = comm.device();
+    let who = format!(
+        "[rank {} of {} | pid {} | GPU {} {}]",
+        comm.rank(),
+        comm.world_size(),
+        std::process::id(),
+        gpu.ordinal(),
+        gpu.name()?
+    );
+    println!("{who} joined through {} at {}", launch.launcher, launch.master);
+    let stream = Stream::new(gpu)?;
+    let mut x = DeviceBuffer::<f32>::zeros(&stream, N)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&stream, N)?;
+    for round in 0..ROUNDS {
+        match comm.rank() {
+            0 => {
+                kernels::produce(&stream, &mut x, round)?; // A
+                comm.send(&x, 1, &stream)?; // waits for A on the GPU, not on the host
+                println!(
+                    "{who} round {round}: A wrote x = {}, sent to rank 1",
+                    fmt(&x.to_vec(&stream)?)
+                );
+            }
+            1 => {
+                comm.recv(&mut x, 0, &stream)?;
+                kernels::twice(&stream, &x, &mut y)?; // B
+                let host = y.to_vec(&stream)?; // waits for B
+                check(round, &host)?;
+                println!(
+                    "{who} round {round}: received x, B computed y = 2x = {}",
+                    fmt(&host)
+                );
+            }
+            _ => {}
+        }
+    }
+    stream.synchronize()?; // cleanup needs completion
+    comm.finalize()?;
+    println!("{who} done: {ROUNDS} rounds");
+    Ok(())
+}
+
+/// The same flow on one GPU: rank 0 of a one-rank communicator sends to itself.
+fn run_self() -> handoff::Result<()> {
+    let gpu = Device::new(0)?;
+    let comm = Communicator::init_all(std::slice::from_ref(&gpu))?
+        .pop()
+        .expect("one communicator");
+    let who = format!(
+        "[rank 0 of 1 | pid {} | GPU 0 {}]",
+        std::process::id(),
+        gpu.name()?
+    );
+    let (s0, s1) = (Stream::new(&gpu)?, Stream::new(&gpu)?);
+    let mut x = DeviceBuffer::<f32>::zeros(&s0, N)?;
+    let mut received = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    for round in 0..ROUNDS {
+        kernels::produce(&s0, &mut x, round)?; // A on S0
+        group(|g| {
+            g.send(&comm, &x, 0, &s0)?; // send on S0 ...
+            g.recv(&comm, &mut received, 0, &s1) // ... received on S1
+        })?;
+        kernels::twice(&s1, &received, &mut y)?; // B on S1
+        let host = y.to_vec(&s1)?;
+        check(round, &host)?;
+        println!(
+            "{who} round {round}: A wrote x = {}, sent to itself; B computed y = 2x = {}",
+            fmt(&x.to_vec(&s0)?),
+            fmt(&host)
+        );
+    }
+    s0.synchronize()?;
+    s1.synchronize()?;
+    comm.finalize()?;
+    println!("{who} done: {ROUNDS} rounds, every y checked");
+    Ok(())
+}

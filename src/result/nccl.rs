@@ -1,0 +1,282 @@
+//! The checked layer over NCCL: one function per call, status codes to [`Error`]s carrying
+//! `ncclGetLastError`'s text.
+//!
+//! The crate makes every communicator *non-blocking* (`ncclConfig_t::blocking = 0`): calls may
+//! return `ncclInProgress`, and the caller then polls [`wait_ready`] until the communicator is
+//! ready, with a deadline. That is what lets a rank that never arrives, or a peer that died,
+//! become a timeout error instead of a hang.
+//!
+//! NVIDIA's reference: <https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/api.html>.
+
+use std::ffi::CStr;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::sys::cudart::cudaStream_t;
+use crate::sys::loader;
+use crate::sys::nccl::{NcclLib, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclResult_t, ncclUniqueId};
+
+/// The loaded NCCL.
+#[inline]
+pub fn lib() -> Result<&'static NcclLib> {
+    loader::nccl()
+}
+
+fn c_text(p: *const std::ffi::c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: NCCL returns NUL-terminated strings that live at least until the next NCCL call
+    // on this thread; we copy at once.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// The error for a failed NCCL call, with `ncclGetLastError`'s text. That call takes a
+/// communicator which NCCL documents as unused; we pass null.
+pub fn error(call: &'static str, rc: ncclResult_t) -> Error {
+    let (name, last_error) = match lib() {
+        // SAFETY: both accept any code, and null for the (unused) communicator.
+        Ok(l) => unsafe {
+            (
+                c_text(l.ncclGetErrorString(rc)),
+                c_text(l.ncclGetLastError(std::ptr::null_mut())),
+            )
+        },
+        Err(_) => (format!("ncclResult {}", rc.0), String::new()),
+    };
+    Error::Nccl {
+        call,
+        code: rc.0 as i32,
+        name,
+        last_error,
+    }
+}
+
+/// Ok for `ncclSuccess`, the error otherwise (`ncclInProgress` included: callers that accept it
+/// test for it first).
+pub fn check(call: &'static str, rc: ncclResult_t) -> Result<()> {
+    if rc == ncclResult_t::ncclSuccess {
+        Ok(())
+    } else {
+        Err(error(call, rc))
+    }
+}
+
+/// `NCCL_CONFIG_INITIALIZER` from nccl.h 2.28.3, written out (bindgen does not translate
+/// initializer macros). Naming every field makes a header with other fields fail to compile
+/// here rather than pass NCCL a struct it misreads.
+pub fn config_initializer() -> ncclConfig_t {
+    const UNDEF_INT: i32 = i32::MIN; // NCCL_CONFIG_UNDEF_INT
+    ncclConfig_t {
+        size: std::mem::size_of::<ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: crate::sys::nccl::NCCL_VERSION_CODE,
+        blocking: UNDEF_INT,
+        cgaClusterSize: UNDEF_INT,
+        minCTAs: UNDEF_INT,
+        maxCTAs: UNDEF_INT,
+        netName: std::ptr::null(),
+        splitShare: UNDEF_INT,
+        trafficClass: UNDEF_INT,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF_INT,
+        CTAPolicy: UNDEF_INT,
+        shrinkShare: UNDEF_INT,
+        nvlsCTAs: UNDEF_INT,
+        nChannelsPerNetPeer: UNDEF_INT,
+        nvlinkCentricSched: UNDEF_INT,
+    }
+}
+
+/// `ncclGetUniqueId`. Also starts NCCL's bootstrap root in this process.
+pub fn get_unique_id() -> Result<ncclUniqueId> {
+    let mut id = ncclUniqueId { internal: [0; 128] };
+    // SAFETY: writes the id through a valid pointer.
+    check("ncclGetUniqueId", unsafe { lib()?.ncclGetUniqueId(&mut id) })?;
+    Ok(id)
+}
+
+/// `ncclCommInitRankConfig` on the current device. With a non-blocking config it may return
+/// before the communicator is ready: then `Ok((comm, true))`, and [`wait_ready`] must follow.
+pub fn comm_init_rank(
+    world: i32,
+    id: &ncclUniqueId,
+    rank: i32,
+    config: &mut ncclConfig_t,
+) -> Result<(ncclComm_t, bool)> {
+    let mut comm = std::ptr::null_mut();
+    // SAFETY: writes the handle; the id is passed by value; the config is a valid, initialised
+    // struct (config_initializer) that NCCL reads during the call.
+    let rc = unsafe { lib()?.ncclCommInitRankConfig(&mut comm, world, *id, rank, config) };
+    if rc == ncclResult_t::ncclInProgress {
+        return Ok((comm, true));
+    }
+    match check("ncclCommInitRankConfig", rc) {
+        Ok(()) => Ok((comm, false)),
+        Err(e) => {
+            if !comm.is_null() {
+                // SAFETY: a half-made communicator is released the way NCCL says to.
+                let _ = unsafe { lib()?.ncclCommAbort(comm) };
+            }
+            Err(e)
+        }
+    }
+}
+
+/// `ncclCommGetAsyncError`: the communicator's state (`ncclSuccess`, `ncclInProgress` or an
+/// error code).
+///
+/// # Safety
+/// `comm` is a live communicator.
+pub unsafe fn comm_state(comm: ncclComm_t) -> Result<ncclResult_t> {
+    let mut state = ncclResult_t::ncclSuccess;
+    // SAFETY: the caller vouches for the handle; writes one code.
+    check("ncclCommGetAsyncError", unsafe {
+        lib()?.ncclCommGetAsyncError(comm, &mut state)
+    })?;
+    Ok(state)
+}
+
+/// Polls the communicator until it is no longer `ncclInProgress`. `what` names the operation
+/// for the errors.
+///
+/// # Errors
+/// The communicator's asynchronous error, or [`Error::Timeout`] past `deadline`. Either way
+/// NCCL says the communicator must then be aborted; the caller does that.
+///
+/// # Safety
+/// `comm` is a live communicator.
+pub unsafe fn wait_ready(
+    comm: ncclComm_t,
+    what: &'static str,
+    started: Instant,
+    timeout: Duration,
+) -> Result<()> {
+    let mut spins = 0u32;
+    loop {
+        // SAFETY: the caller vouches for the handle.
+        let state = unsafe { comm_state(comm) }?;
+        if state == ncclResult_t::ncclSuccess {
+            return Ok(());
+        }
+        if state != ncclResult_t::ncclInProgress {
+            return Err(error(what, state));
+        }
+        if started.elapsed() >= timeout {
+            return Err(Error::Timeout {
+                what: what.to_string(),
+                after: timeout,
+            });
+        }
+        // Enqueueing usually finishes within microseconds; connection set-up and init take
+        // milliseconds to seconds. Spin briefly, then sleep.
+        spins += 1;
+        if spins < 1000 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+/// `ncclCommFinalize`: flushes the communicator's operations. Non-blocking: `Ok(true)` means
+/// in progress.
+///
+/// # Safety
+/// `comm` is a live communicator.
+pub unsafe fn comm_finalize(comm: ncclComm_t) -> Result<bool> {
+    // SAFETY: the caller vouches for the handle.
+    let rc = unsafe { lib()?.ncclCommFinalize(comm) };
+    if rc == ncclResult_t::ncclInProgress {
+        return Ok(true);
+    }
+    check("ncclCommFinalize", rc).map(|()| false)
+}
+
+/// `ncclCommDestroy`, after a finalize that completed.
+///
+/// # Safety
+/// `comm` is a live, finalized communicator, not used afterwards.
+pub unsafe fn comm_destroy(comm: ncclComm_t) -> Result<()> {
+    // SAFETY: the caller vouches for the handle.
+    check("ncclCommDestroy", unsafe { lib()?.ncclCommDestroy(comm) })
+}
+
+/// `ncclCommAbort`: stops the communicator's operations and frees it without waiting for peers.
+///
+/// # Safety
+/// `comm` is a live communicator, not used afterwards.
+pub unsafe fn comm_abort(comm: ncclComm_t) -> Result<()> {
+    // SAFETY: the caller vouches for the handle.
+    check("ncclCommAbort", unsafe { lib()?.ncclCommAbort(comm) })
+}
+
+/// `ncclGroupStart`.
+pub fn group_start() -> Result<()> {
+    // SAFETY: no arguments; groups are per thread.
+    check("ncclGroupStart", unsafe { lib()?.ncclGroupStart() })
+}
+
+/// `ncclGroupEnd`: `Ok(true)` when the group is still being enqueued (`ncclInProgress`).
+pub fn group_end() -> Result<bool> {
+    // SAFETY: no arguments; ends this thread's group.
+    let rc = unsafe { lib()?.ncclGroupEnd() };
+    if rc == ncclResult_t::ncclInProgress {
+        return Ok(true);
+    }
+    check("ncclGroupEnd", rc).map(|()| false)
+}
+
+/// `ncclSend`. In a group, NCCL queues nothing before `ncclGroupEnd`.
+///
+/// # Safety
+/// `buf` is device memory of `comm`'s device holding `count` elements of `dtype`, not written
+/// until the send completes on `stream`; `peer` is a rank of `comm`.
+pub unsafe fn send(
+    buf: *const std::ffi::c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    peer: i32,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> Result<ncclResult_t> {
+    // SAFETY: the caller vouches for every argument.
+    Ok(unsafe { lib()?.ncclSend(buf, count, dtype, peer, comm, stream) })
+}
+
+/// `ncclRecv`.
+///
+/// # Safety
+/// As [`send`], for a buffer neither read nor written by anything else until the receive
+/// completes.
+pub unsafe fn recv(
+    buf: *mut std::ffi::c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    peer: i32,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> Result<ncclResult_t> {
+    // SAFETY: the caller vouches for every argument.
+    Ok(unsafe { lib()?.ncclRecv(buf, count, dtype, peer, comm, stream) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_initializer_matches_the_header() {
+        let c = config_initializer();
+        assert_eq!(c.size, std::mem::size_of::<ncclConfig_t>());
+        assert_eq!(c.magic, 0xcafebeef);
+        assert_eq!(c.version, 22803);
+        assert_eq!(c.blocking, i32::MIN);
+        assert!(c.netName.is_null() && c.commName.is_null());
+    }
+
+    #[test]
+    fn success_is_ok_without_loading_nccl() {
+        assert!(check("ncclSend", ncclResult_t::ncclSuccess).is_ok());
+    }
+}
