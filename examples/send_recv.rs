@@ -16,7 +16,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use handoff::kernels::{self, produced_value};
-use handoff::{Communicator, Device, DeviceBuffer, Launch, Stream, group};
+use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Launch, Stream, group};
 
 const ROUNDS: u32 = 4;
 const N: usize = 4;
@@ -106,7 +106,10 @@ fn check(round: u32, y: &[f32]) -> handoff::Result<()> {
 
 /// One rank of the two-process run.
 fn run_rank(launch: &Launch) -> handoff::Result<()> {
-    let comm = launch.communicator(TIMEOUT)?;
+    let comm = launch.communicator(CommOptions {
+        timeout: TIMEOUT,
+        ..Default::default()
+    })?;
     let gpu = comm.device();
     let who = format!(
         "[rank {} of {} | pid {} | GPU {} {}]",

@@ -4,6 +4,7 @@
 # Logs go to $OUT (the device tool's folder) or ./device-logs.
 #   run.log     every test binary and example, in order, with a summary at the end
 #   bypass.log  the GPU tests with tracking bypassed: their hazard tests are expected to FAIL
+#   sendrecv-MODE.csv, sendrecv-MODE.svg  the benchmark's rows and plot
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-device-logs}
@@ -30,6 +31,26 @@ for e in .device/examples/*; do
   "$e" 2>&1 | tee -a "$log"
   [ "${PIPESTATUS[0]}" = 0 ] || failed+=("example $(basename "$e")")
 done
+# The send/recv benchmark in every mode the machine's GPUs allow; tables in run.log, CSV and SVG
+# beside it. HANDOFF_BENCH_ARGS adds options (e.g. "--max-bytes 64M").
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ -x .device/benches/sendrecv ]; then
+  modes="self"
+  [ "$gpus" -ge 2 ] && modes="self inproc procs"
+  for m in $modes; do
+    say "== bench sendrecv --mode $m"
+    # shellcheck disable=SC2086
+    .device/benches/sendrecv --mode "$m" --csv "$out/sendrecv-$m.csv" --svg "$out/sendrecv-$m.svg" \
+      ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench sendrecv --mode $m")
+  done
+  say "== bench sendrecv --mode self --nonblocking"
+  # shellcheck disable=SC2086
+  .device/benches/sendrecv --mode self --nonblocking --csv "$out/sendrecv-self-nb.csv" \
+    --svg "$out/sendrecv-self-nb.svg" ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
+  [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench sendrecv --mode self --nonblocking")
+fi
+
 if [ -d .device/bypass ]; then
   say "== GPU tests with tracking BYPASSED (hazard and reuse tests should fail): see bypass.log"
   : >"$out/bypass.log"
@@ -41,7 +62,7 @@ if [ -d .device/bypass ]; then
     rc=$?
     say "bypass $(basename "$t") exit status: $rc (non-zero expected)"
   done
-  grep -E '^test .*(ok|FAILED|ignored)$' "$out/bypass.log" | tee -a "$log"
+  grep -E '^(== bypass|test result:|    [a-z0-9_]+$)' "$out/bypass.log" | tee -a "$log"
 fi
 if [ ${#failed[@]} = 0 ]; then
   say "== ALL PASSED"

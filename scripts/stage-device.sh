@@ -13,7 +13,7 @@ bash scripts/setup.sh
 
 stage=.device
 rm -rf "$stage"
-mkdir -p "$stage/tests" "$stage/examples" "$stage/bypass"
+mkdir -p "$stage/tests" "$stage/examples" "$stage/bypass" "$stage/benches"
 
 # Lines like "  Executable tests/gpu.rs (target/device/deps/gpu-0123abcd)".
 executables() { sed -n 's/^ *Executable \(.*\) (\(.*\))$/\1|\2/p'; }
@@ -33,6 +33,11 @@ stage_tests() { # $1: destination folder; the remaining arguments go to cargo
 stage_tests "$stage/tests"
 cargo build --profile device --examples
 find target/device/examples -maxdepth 1 -type f -executable ! -name '*-*' -exec cp {} "$stage/examples/" \;
+
+# Benchmarks: optimised (cargo's bench profile).
+cargo bench --no-run 2>&1 | tee /dev/stderr | executables | while IFS='|' read -r src exe; do
+  case "$src" in benches/*) cp "$exe" "$stage/benches/$(basename "${src%.rs}")" ;; esac
+done
 
 RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu --test comm
 

@@ -22,7 +22,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::comm::{Communicator, UniqueId};
+use crate::comm::{CommOptions, Communicator, UniqueId};
 use crate::device::Device;
 use crate::error::{Error, Result};
 
@@ -150,15 +150,15 @@ impl Launch {
     }
 
     /// This process's communicator: the GPU `local_rank` (of those visible), the id shared
-    /// through [`Launch::unique_id`], one `timeout` for the exchange and for the communicator.
+    /// through [`Launch::unique_id`] (within `options.timeout`), made with `options`.
     ///
     /// # Errors
-    /// As [`Launch::unique_id`] and [`Communicator::with_timeout`]; [`Error::NoDevice`] when
+    /// As [`Launch::unique_id`] and [`Communicator::with_options`]; [`Error::NoDevice`] when
     /// `local_rank` is not a visible GPU.
-    pub fn communicator(&self, timeout: Duration) -> Result<Communicator> {
+    pub fn communicator(&self, options: CommOptions) -> Result<Communicator> {
         let device = Device::new(self.local_rank)?;
-        let (id, server) = self.unique_id(timeout)?;
-        let comm = Communicator::with_timeout(&device, self.world_size, self.rank, &id, timeout)?;
+        let (id, server) = self.unique_id(options.timeout)?;
+        let comm = Communicator::with_options(&device, self.world_size, self.rank, &id, options)?;
         if let Some(server) = server {
             // Every rank has joined the communicator, so every rank has fetched the id.
             server.wait()?;

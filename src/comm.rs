@@ -21,10 +21,11 @@
 //! that opened it.
 //!
 //! # Failures
-//! Communicators are created non-blocking: every host-side wait (creation, enqueueing, the
-//! finalize on drop) has a deadline ([`Communicator::timeout`]). An NCCL error or a missed
-//! deadline aborts the communicator (`ncclCommAbort`), as NCCL requires; every later call on it
-//! returns [`Error::CommunicatorUnusable`].
+//! Host-side waits have a deadline ([`CommOptions::timeout`]): [`Communicator::synchronize`],
+//! [`Communicator::finalize`] and the finalize on drop always; creation and enqueueing too for a
+//! non-blocking communicator ([`CommOptions::blocking`]). An NCCL error or a missed deadline
+//! aborts the communicator (`ncclCommAbort`), as NCCL requires; every later call on it returns
+//! [`Error::CommunicatorUnusable`].
 
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
@@ -32,17 +33,19 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::ops::Range;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
 
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
+use crate::device::PooledEvent;
 use crate::error::{Error, Result};
 use crate::result::nccl as nc;
 use crate::stream::{Stream, Tracked};
 use crate::sys::nccl::{ncclComm_t, ncclDataType_t, ncclResult_t, ncclUniqueId};
-use crate::tracking::Access;
+use crate::tracking::{Access, StreamId};
 
 /// The identifier that every rank of one communicator must share, made by one of them.
 ///
@@ -185,29 +188,67 @@ pub fn datatype_size(d: ncclDataType_t) -> usize {
     }
 }
 
-/// How long host-side waits on a communicator may take before it is aborted, unless
-/// [`Communicator::with_timeout`] says otherwise.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How a communicator is created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommOptions {
+    /// Deadline of every host-side wait on the communicator: its creation (non-blocking only),
+    /// enqueueing (non-blocking only), [`Communicator::synchronize`], [`Communicator::finalize`]
+    /// and the finalize on drop. Past it the communicator is aborted. Default: 120 s.
+    pub timeout: Duration,
+    /// NCCL's `blocking` setting. Blocking (the default, and NCCL's) is fast: a send or receive
+    /// returns after a few microseconds. Non-blocking makes creation and enqueueing time out
+    /// instead of hanging on a rank that never comes, but on NCCL 2.28 every group then goes
+    /// through NCCL's background thread, which costs tens of microseconds per call (see
+    /// BENCHMARKS.md).
+    pub blocking: bool,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions {
+            timeout: Duration::from_secs(120),
+            blocking: true,
+        }
+    }
+}
+
+impl CommOptions {
+    /// Non-blocking, with `timeout` for every host-side wait.
+    pub fn nonblocking(timeout: Duration) -> Self {
+        CommOptions {
+            timeout,
+            blocking: false,
+        }
+    }
+
+    fn config(&self) -> crate::sys::nccl::ncclConfig_t {
+        let mut config = nc::config_initializer();
+        config.blocking = i32::from(self.blocking);
+        config
+    }
+}
 
 /// One rank of an NCCL communicator, bound to one GPU.
 ///
-/// Created non-blocking, so that creation, enqueueing and the finalize on drop each wait at most
-/// [`Communicator::timeout`]. Dropping it finalizes it (waiting for its operations to finish, up
-/// to the timeout) and then destroys it; if that fails or times out, or the communicator was
-/// already broken, it is aborted instead: dropping never hangs on a peer.
+/// Dropping it waits (up to [`CommOptions::timeout`]) for the operations it queued to finish,
+/// then finalizes and destroys it; if they do not finish in time, or NCCL reports an error, or
+/// the communicator was already broken, it is aborted instead: dropping never hangs on a peer.
+/// [`Communicator::finalize`] does the same and reports errors.
 pub struct Communicator {
     /// Null once aborted or destroyed.
     raw: Cell<ncclComm_t>,
     device: Device,
     rank: usize,
     world: usize,
-    timeout: Duration,
+    options: CommOptions,
     /// Why the communicator is unusable, once it is.
     broken: RefCell<Option<String>>,
+    /// The event after this communicator's last operation on each stream it used.
+    last: RefCell<Vec<(StreamId, Arc<PooledEvent>)>>,
 }
 
 // SAFETY: an NCCL communicator is not tied to the thread that made it; each call makes the
-// communicator's device current on the calling thread. It is not Sync (the RefCell sees to
+// communicator's device current on the calling thread. It is not Sync (the RefCells see to
 // that): NCCL calls on one communicator must not run concurrently.
 unsafe impl Send for Communicator {}
 
@@ -217,50 +258,64 @@ impl fmt::Debug for Communicator {
             .field("rank", &self.rank)
             .field("world", &self.world)
             .field("device", &self.device.ordinal())
+            .field("options", &self.options)
             .field("broken", &*self.broken.borrow())
             .finish()
     }
 }
 
 impl Communicator {
-    /// Rank `rank` of a communicator of `world` ranks, on `device`. Every rank calls this with
-    /// the same `id`; it returns once all have joined, or fails after [`DEFAULT_TIMEOUT`].
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for `world == 0` or `rank >= world`; NCCL errors (e.g. two
-    /// ranks on one GPU); [`Error::Timeout`] if the other ranks do not join in time.
-    pub fn new(device: &Device, world: usize, rank: usize, id: &UniqueId) -> Result<Communicator> {
-        Self::with_timeout(device, world, rank, id, DEFAULT_TIMEOUT)
-    }
-
-    /// As [`Communicator::new`], with a timeout for creation and every later host-side wait.
-    ///
-    /// # Errors
-    /// As [`Communicator::new`].
-    pub fn with_timeout(
+    fn wrap(
+        raw: ncclComm_t,
         device: &Device,
         world: usize,
         rank: usize,
-        id: &UniqueId,
-        timeout: Duration,
-    ) -> Result<Communicator> {
-        check_world_rank(world, rank)?;
-        device.set_current()?;
-        let started = Instant::now();
-        let mut config = nc::config_initializer();
-        config.blocking = 0;
-        let (raw, pending) = nc::comm_init_rank(world as i32, &id.raw(), rank as i32, &mut config)?;
-        let comm = Communicator {
+        options: CommOptions,
+    ) -> Communicator {
+        Communicator {
             raw: Cell::new(raw),
             device: device.clone(),
             rank,
             world,
-            timeout,
+            options,
             broken: RefCell::new(None),
-        };
+            last: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// Rank `rank` of a communicator of `world` ranks, on `device`, with default
+    /// [`CommOptions`]. Every rank calls this with the same `id`; it returns once all have
+    /// joined.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for `world == 0` or `rank >= world`; NCCL errors (e.g. two
+    /// ranks on one GPU).
+    pub fn new(device: &Device, world: usize, rank: usize, id: &UniqueId) -> Result<Communicator> {
+        Self::with_options(device, world, rank, id, CommOptions::default())
+    }
+
+    /// As [`Communicator::new`], with `options`. A non-blocking communicator fails with
+    /// [`Error::Timeout`] when the other ranks do not join within the timeout; a blocking one
+    /// waits for them as long as NCCL does.
+    ///
+    /// # Errors
+    /// As [`Communicator::new`], and [`Error::Timeout`].
+    pub fn with_options(
+        device: &Device,
+        world: usize,
+        rank: usize,
+        id: &UniqueId,
+        options: CommOptions,
+    ) -> Result<Communicator> {
+        check_world_rank(world, rank)?;
+        device.set_current()?;
+        let started = Instant::now();
+        let (raw, pending) = nc::comm_init_rank(world as i32, &id.raw(), rank as i32, &mut options.config())?;
+        let comm = Communicator::wrap(raw, device, world, rank, options);
         if pending {
             // SAFETY: `raw` is the communicator just created.
-            if let Err(e) = unsafe { nc::wait_ready(raw, "ncclCommInitRankConfig", started, timeout) } {
+            if let Err(e) = unsafe { nc::wait_ready(raw, "ncclCommInitRankConfig", started, options.timeout) }
+            {
                 comm.break_with(&e);
                 return Err(e);
             }
@@ -269,12 +324,20 @@ impl Communicator {
     }
 
     /// One communicator over all of `devices`, all in this process: rank `i` on `devices[i]`
-    /// (NCCL's `ncclCommInitAll`, made non-blocking).
+    /// (what NCCL's `ncclCommInitAll` does), with default [`CommOptions`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for no devices, or a device listed twice (NCCL refuses two
-    /// ranks on one GPU); NCCL errors; [`Error::Timeout`].
+    /// ranks on one GPU); NCCL errors.
     pub fn init_all(devices: &[Device]) -> Result<Vec<Communicator>> {
+        Self::init_all_with(devices, CommOptions::default())
+    }
+
+    /// As [`Communicator::init_all`], with `options`.
+    ///
+    /// # Errors
+    /// As [`Communicator::init_all`], and [`Error::Timeout`].
+    pub fn init_all_with(devices: &[Device], options: CommOptions) -> Result<Vec<Communicator>> {
         let world = devices.len();
         check_world_rank(world, 0)?;
         for (i, d) in devices.iter().enumerate() {
@@ -291,20 +354,11 @@ impl Communicator {
         nc::group_start()?;
         let mut first_err = None;
         for (rank, device) in devices.iter().enumerate() {
-            let mut config = nc::config_initializer();
-            config.blocking = 0;
             match device
                 .set_current()
-                .and_then(|()| nc::comm_init_rank(world as i32, &id, rank as i32, &mut config))
+                .and_then(|()| nc::comm_init_rank(world as i32, &id, rank as i32, &mut options.config()))
             {
-                Ok((raw, _)) => comms.push(Communicator {
-                    raw: Cell::new(raw),
-                    device: device.clone(),
-                    rank,
-                    world,
-                    timeout: DEFAULT_TIMEOUT,
-                    broken: RefCell::new(None),
-                }),
+                Ok((raw, _)) => comms.push(Communicator::wrap(raw, device, world, rank, options)),
                 Err(e) => {
                     first_err = Some(e);
                     break;
@@ -319,12 +373,13 @@ impl Communicator {
                 break;
             }
             // SAFETY: each communicator was just created.
-            if let Err(e) = unsafe { nc::wait_ready(c.raw.get(), "ncclCommInitAll", started, c.timeout) } {
+            if let Err(e) =
+                unsafe { nc::wait_ready(c.raw.get(), "ncclCommInitAll", started, options.timeout) }
+            {
                 first_err = Some(e);
             }
         }
         match first_err {
-            // Dropping the others aborts them: `break_with` on each.
             Some(e) => {
                 for c in &comms {
                     c.break_with(&e);
@@ -350,14 +405,26 @@ impl Communicator {
         &self.device
     }
 
+    /// The options the communicator was made with.
+    pub fn options(&self) -> CommOptions {
+        self.options
+    }
+
     /// The deadline of every host-side wait on this communicator.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.options.timeout
     }
 
     /// Changes the deadline of later host-side waits (and of the finalize on drop).
     pub fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout;
+        self.options.timeout = timeout;
+    }
+
+    /// The raw handle, for calling NCCL directly (null once aborted or finalized). Operations
+    /// queued through it are not tracked: the caller takes on the ordering that the safe API
+    /// otherwise provides, and must not call it from two threads at once.
+    pub fn as_raw(&self) -> ncclComm_t {
+        self.raw.get()
     }
 
     /// Why the communicator is unusable, if it is.
@@ -418,6 +485,55 @@ impl Communicator {
         group(|g| g.recv_range(self, buf, range, peer, stream))
     }
 
+    /// Blocks the host until every operation this communicator queued has completed on the GPU,
+    /// watching NCCL's asynchronous error (`ncclCommGetAsyncError`) while it waits. On an error,
+    /// or past [`CommOptions::timeout`], the communicator is aborted and the error returned;
+    /// later calls then fail with [`Error::CommunicatorUnusable`].
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], NCCL's asynchronous error, CUDA errors; [`Error::CommunicatorUnusable`].
+    pub fn synchronize(&self) -> Result<()> {
+        let raw = self.usable()?;
+        let r = self.wait_idle(raw);
+        if let Err(e) = &r {
+            self.break_with(e);
+        }
+        r
+    }
+
+    fn wait_idle(&self, raw: ncclComm_t) -> Result<()> {
+        let started = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let mut idle = true;
+            for (_, e) in self.last.borrow().iter() {
+                // SAFETY: the event is kept alive by the Arc.
+                idle &= unsafe { crate::result::event_query(e.raw) }?;
+            }
+            if idle {
+                self.last.borrow_mut().clear();
+                return Ok(());
+            }
+            // SAFETY: `raw` is live (checked by the caller).
+            let state = unsafe { nc::comm_state(raw) }?;
+            if state != ncclResult_t::ncclSuccess && state != ncclResult_t::ncclInProgress {
+                return Err(nc::error("ncclCommGetAsyncError", state));
+            }
+            if started.elapsed() >= self.options.timeout {
+                return Err(Error::Timeout {
+                    what: format!("rank {}'s queued sends and receives", self.rank),
+                    after: self.options.timeout,
+                });
+            }
+            spins += 1;
+            if spins < 100 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+
     /// Aborts the communicator now (`ncclCommAbort`): its queued operations stop, and every
     /// later call returns [`Error::CommunicatorUnusable`]. Buffers it used stay tracked, so they
     /// are still freed only after the aborted operations have left the GPU.
@@ -425,15 +541,18 @@ impl Communicator {
     /// # Errors
     /// NCCL's error from the abort.
     pub fn abort(&self) -> Result<()> {
-        *self.broken.borrow_mut() = Some("aborted by the program".into());
+        self.broken
+            .borrow_mut()
+            .get_or_insert_with(|| "aborted by the program".into());
         self.abort_raw()
     }
 
-    /// Finalizes and destroys the communicator, waiting up to [`Communicator::timeout`] for its
-    /// operations to finish; aborts it if they do not. `Drop` does the same but cannot report.
+    /// Waits for the communicator's operations (as [`Communicator::synchronize`]), then
+    /// finalizes and destroys it; aborts it if they do not finish in time or fail. `Drop` does
+    /// the same but cannot report.
     ///
     /// # Errors
-    /// NCCL errors or [`Error::Timeout`]; the communicator is aborted then.
+    /// As [`Communicator::synchronize`]; NCCL's errors from finalizing.
     pub fn finalize(self) -> Result<()> {
         let r = self.finalize_raw();
         if let Err(e) = &r {
@@ -443,23 +562,20 @@ impl Communicator {
     }
 
     fn finalize_raw(&self) -> Result<()> {
-        let raw = self.raw.get();
+        let raw = self.usable()?;
         if raw.is_null() {
-            return match self.broken_reason() {
-                Some(reason) => Err(Error::CommunicatorUnusable { reason }),
-                None => Ok(()),
-            };
-        }
-        if let Some(reason) = self.broken_reason() {
-            return Err(Error::CommunicatorUnusable { reason });
+            return Ok(());
         }
         self.device.set_current()?;
+        // Finalizing while operations are still queued would wait for them inside NCCL, with no
+        // deadline for a blocking communicator: wait here first, with one.
+        self.wait_idle(raw)?;
         let started = Instant::now();
         // SAFETY: `raw` is live (non-null) and owned by self.
         let pending = unsafe { nc::comm_finalize(raw) }?;
         if pending {
             // SAFETY: as above.
-            unsafe { nc::wait_ready(raw, "ncclCommFinalize", started, self.timeout) }?;
+            unsafe { nc::wait_ready(raw, "ncclCommFinalize", started, self.options.timeout) }?;
         }
         self.raw.set(std::ptr::null_mut());
         // SAFETY: finalized; not used again (raw is now null).
@@ -488,6 +604,15 @@ impl Communicator {
             return Err(Error::CommunicatorUnusable { reason });
         }
         Ok(self.raw.get())
+    }
+
+    /// Remembers `event` as the point after this communicator's latest operation on `stream`.
+    fn note_last(&self, stream: StreamId, event: Arc<PooledEvent>) {
+        let mut last = self.last.borrow_mut();
+        match last.iter_mut().find(|(s, _)| *s == stream) {
+            Some(slot) => slot.1 = event,
+            None => last.push((stream, event)),
+        }
     }
 }
 
@@ -709,30 +834,33 @@ impl<'a> Group<'a> {
     }
 
     /// Each send to oneself needs a receive from oneself of the same count and type in the
-    /// same group, or NCCL waits forever.
+    /// same group, or NCCL waits forever. NCCL matches the sends and receives between two ranks
+    /// in the order they were issued, so the two sequences must be equal, in order. No
+    /// allocation unless they differ.
     fn check_self_transfers(&self) -> Result<()> {
-        let key = |o: &Op<'_>| (o.comm.raw.get() as usize, o.count, o.dtype.0);
-        let mut sends: Vec<_> = self
-            .ops
-            .iter()
-            .filter(|o| o.peer == o.comm.rank && o.access == Access::Read)
-            .map(key)
-            .collect();
-        let mut recvs: Vec<_> = self
-            .ops
-            .iter()
-            .filter(|o| o.peer == o.comm.rank && o.access == Access::Write)
-            .map(key)
-            .collect();
-        sends.sort_unstable();
-        recvs.sort_unstable();
-        if sends != recvs {
-            return Err(Error::InvalidArgument(format!(
-                "sends to oneself ({:?}) and receives from oneself ({:?}), as (count, NCCL type), \
-                 must match one to one in the same group, or NCCL waits forever",
-                sends.iter().map(|k| (k.1, k.2)).collect::<Vec<_>>(),
-                recvs.iter().map(|k| (k.1, k.2)).collect::<Vec<_>>()
-            )));
+        let is_self = |o: &&Op<'_>| o.peer == o.comm.rank;
+        for (i, first) in self.ops.iter().enumerate().filter(|(_, o)| is_self(o)) {
+            if self.ops[..i]
+                .iter()
+                .any(|o| is_self(&o) && std::ptr::eq(o.comm, first.comm))
+            {
+                continue; // this communicator was checked at its first self operation
+            }
+            let side = |access: Access| {
+                self.ops
+                    .iter()
+                    .filter(move |o| is_self(o) && std::ptr::eq(o.comm, first.comm) && o.access == access)
+                    .map(|o| (o.count, o.dtype.0))
+            };
+            if !side(Access::Read).eq(side(Access::Write)) {
+                return Err(Error::InvalidArgument(format!(
+                    "sends to oneself {:?} and receives from oneself {:?}, as (count, NCCL type) \
+                     in the order issued, must match one to one in the same group, or NCCL \
+                     waits forever",
+                    side(Access::Read).collect::<Vec<_>>(),
+                    side(Access::Write).collect::<Vec<_>>()
+                )));
+            }
         }
         Ok(())
     }
@@ -754,9 +882,19 @@ impl<'a> Group<'a> {
                 streams.push(op.stream);
             }
         }
+        // The device current on this thread; the runtime calls below act on it. Switched only
+        // when an operation is on another device (each switch is a runtime call).
+        let mut current: Option<usize> = None;
+        let mut make_current = |d: &Device| -> Result<()> {
+            if current != Some(d.ordinal()) {
+                d.set_current()?;
+                current = Some(d.ordinal());
+            }
+            Ok(())
+        };
         // 1. Before the group: each stream waits for the conflicting earlier uses.
         for op in &self.ops {
-            op.stream.device().set_current()?;
+            make_current(op.stream.device())?;
             op.stream.wait_for_conflicts(op.tracked, op.access)?;
         }
         // 2. The group. Nothing reaches a stream before ncclGroupEnd.
@@ -765,7 +903,8 @@ impl<'a> Group<'a> {
         let mut failed: Option<Error> = None;
         for op in &self.ops {
             let comm = op.comm.raw.get();
-            let issued = op.comm.device.set_current().and_then(|()| {
+            // NCCL switches to each communicator's device itself.
+            let issued = (|| {
                 // SAFETY: `op` was checked when added: the pointer and count lie inside a
                 // buffer of the communicator's device, borrowed for the group's lifetime 'a;
                 // the peer is in range; the stream is live. Tracking makes the stream wait
@@ -803,21 +942,22 @@ impl<'a> Group<'a> {
                         rc,
                     ))
                 }
-            });
+            })();
             if let Err(e) = issued {
                 failed = Some(e);
                 break;
             }
         }
         // Always close the group, even after an error.
-        if let Err(e) = nc::group_end() {
+        let in_progress = nc::group_end().unwrap_or_else(|e| {
             failed.get_or_insert(e);
-        }
+            false
+        });
         // 3. A non-blocking communicator may still be enqueueing: wait until it is ready.
-        if failed.is_none() {
+        if failed.is_none() && in_progress {
             for c in &comms {
                 // SAFETY: the communicator is live (checked above).
-                if let Err(e) = unsafe { nc::wait_ready(c.raw.get(), "ncclGroupEnd", started, c.timeout) } {
+                if let Err(e) = unsafe { nc::wait_ready(c.raw.get(), "ncclGroupEnd", started, c.timeout()) } {
                     failed = Some(e);
                     break;
                 }
@@ -831,13 +971,17 @@ impl<'a> Group<'a> {
         // 4. Only now record the events that track the transfers, one per stream, even after
         // an error: whatever did reach a stream stays tracked.
         for s in &streams {
-            s.device().set_current()?;
+            make_current(s.device())?;
             let uses = self
                 .ops
                 .iter()
                 .filter(|o| o.stream.id() == s.id())
                 .map(|o| (o.tracked, o.access));
-            s.record_uses(uses)?;
+            if let Some(event) = s.record_uses(uses)? {
+                for o in self.ops.iter().filter(|o| o.stream.id() == s.id()) {
+                    o.comm.note_last(s.id(), event.clone());
+                }
+            }
         }
         match failed {
             Some(e) => Err(e),

@@ -155,6 +155,12 @@ pub fn busy(stream: &Stream, duration: Duration) -> Result<()> {
     })
 }
 
+/// Blocks for [`delayed_copy`]: few, so that its long wait holds only a few multiprocessors.
+/// A kernel with blocks on every multiprocessor can keep kernels that need another
+/// shared-memory configuration (NCCL's, for one) from starting until it ends: seen on the H200,
+/// where that delay hid the missing ordering the hazard tests look for.
+const DELAYED_COPY_BLOCKS: u32 = 16;
+
 /// A long read: waits `delay` on the GPU, then copies `src` into `dst`, on `stream`.
 ///
 /// # Errors
@@ -180,7 +186,7 @@ pub fn delayed_copy(
             unsafe {
                 cu::launch_kernel(
                     k,
-                    grid_for(n as usize),
+                    grid_for(n as usize).min(DELAYED_COPY_BLOCKS),
                     BLOCK,
                     &mut [arg(&mut ps), arg(&mut pd), arg(&mut n), arg(&mut ns)],
                     s,

@@ -193,9 +193,9 @@ impl Stream {
     pub(crate) fn record_uses<'t>(
         &self,
         uses: impl Iterator<Item = (&'t Tracked, Access)> + Clone,
-    ) -> Result<()> {
+    ) -> Result<Option<Arc<PooledEvent>>> {
         if uses.clone().next().is_none() {
-            return Ok(());
+            return Ok(None);
         }
         let recorded = self.device.take_event().and_then(|event| {
             // SAFETY: both handles are live and of the same device.
@@ -207,11 +207,11 @@ impl Stream {
                 for (t, access) in uses {
                     t.lock().record(self.id, access, event.clone());
                 }
-                Ok(())
+                Ok(Some(event))
             }
             // The work is queued but untracked. Once it has completed it needs no tracking,
             // and the trackers' older entries stay correct.
-            Err(_) => self.synchronize(),
+            Err(_) => self.synchronize().map(|()| None),
         }
     }
 }

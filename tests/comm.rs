@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use common::{Gpus, assert_all_eq};
 use handoff::kernels::{self, produced_value};
-use handoff::{Communicator, Device, DeviceBuffer, Error, Launch, NcclType, Stream, UniqueId, group};
+use handoff::{
+    CommOptions, Communicator, Device, DeviceBuffer, Error, Launch, NcclType, Stream, UniqueId, group,
+};
 use libtest_mimic::Failed;
 
 const LONG: Duration = Duration::from_millis(300);
@@ -47,6 +49,17 @@ fn main() {
         ),
         g.trial("bad_arguments_fail_before_nccl", 1, bad_arguments),
         g.trial("abort_makes_later_calls_fail", 1, abort_makes_later_calls_fail),
+        g.trial("nonblocking_communicator_sends_to_itself", 1, nonblocking_self),
+        g.trial(
+            "nonblocking_rendezvous_where_a_rank_never_comes_times_out",
+            1,
+            rank_never_comes,
+        ),
+        g.trial(
+            "synchronize_and_finalize_wait_for_queued_work",
+            1,
+            synchronize_and_finalize,
+        ),
         g.trial("two_ranks_in_one_process", 2, two_ranks_in_one_process),
         g.trial(
             "two_processes_through_the_bootstrap",
@@ -247,6 +260,16 @@ fn bad_arguments() -> Result<(), Failed> {
             g.recv_range(&comm, &mut y, 0..7, 0, &s)
         }),
     )?;
+    let mut y2 = DeviceBuffer::<f32>::zeros(&s, 8)?;
+    expect_invalid(
+        "self sends and receives of the same counts in another order",
+        group(|g| {
+            g.send_range(&comm, &x, 0..8, 0, &s)?;
+            g.send_range(&comm, &x, 0..4, 0, &s)?;
+            g.recv_range(&comm, &mut y, 0..4, 0, &s)?;
+            g.recv_range(&comm, &mut y2, 0..8, 0, &s)
+        }),
+    )?;
     let id = UniqueId::new()?;
     expect_invalid("world size 0", Communicator::new(&dev, 0, 0, &id))?;
     expect_invalid("rank beyond world", Communicator::new(&dev, 2, 2, &id))?;
@@ -274,6 +297,64 @@ fn abort_makes_later_calls_fail() -> Result<(), Failed> {
     }
     // The buffers are still fine to use and to drop.
     assert_all_eq("y", &y.to_vec(&s)?, |_| 0)
+}
+
+fn nonblocking_self() -> Result<(), Failed> {
+    let dev = Device::new(0)?;
+    let opts = CommOptions::nonblocking(Duration::from_secs(30));
+    let comm = Communicator::init_all_with(std::slice::from_ref(&dev), opts)?
+        .pop()
+        .ok_or("no communicator")?;
+    let s = Stream::new(&dev)?;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, 1 << 20)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 1 << 20)?;
+    for round in 0..3 {
+        kernels::produce(&s, &mut x, round)?;
+        self_transfer(&comm, &s, &x, &mut y)?;
+        assert_all_eq("y", &y.to_vec(&s)?, |i| produced_value(i, round))?;
+    }
+    comm.finalize()?;
+    Ok(())
+}
+
+/// Rank 0 of two, and rank 1 never comes: a non-blocking communicator gives up at its timeout
+/// with a typed error instead of waiting forever.
+fn rank_never_comes() -> Result<(), Failed> {
+    let dev = Device::new(0)?;
+    let id = UniqueId::new()?;
+    let timeout = Duration::from_secs(3);
+    let t = Instant::now();
+    let r = Communicator::with_options(&dev, 2, 0, &id, CommOptions::nonblocking(timeout));
+    let took = t.elapsed();
+    match r {
+        Err(Error::Timeout { what, after }) if after == timeout => {
+            println!("timed out after {took:?} waiting for {what}");
+        }
+        other => return Err(format!("expected a timeout, got {other:?} after {took:?}").into()),
+    }
+    if took > timeout + Duration::from_secs(10) {
+        return Err(format!("a 3 s timeout took {took:?}").into());
+    }
+    Ok(())
+}
+
+/// `synchronize` returns only once the queued transfer has completed on the GPU, and
+/// `finalize` after it; both on a blocking communicator.
+fn synchronize_and_finalize() -> Result<(), Failed> {
+    let (dev, comm) = one_rank()?;
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[7u32; 1024])?;
+    let mut y = DeviceBuffer::<u32>::zeros(&s, 1024)?;
+    kernels::busy(&s, LONG)?;
+    let t = Instant::now();
+    self_transfer(&comm, &s, &x, &mut y)?;
+    comm.synchronize()?;
+    let waited = t.elapsed();
+    if waited < LONG / 2 || !s.is_idle()? {
+        return Err(format!("synchronize returned after {waited:?}, before the transfer ran").into());
+    }
+    comm.finalize()?;
+    assert_all_eq("y", &y.to_vec(&s)?, |_| 7)
 }
 
 /// The article across two GPUs of one process: A on GPU 0, send; receive on GPU 1, B.
@@ -336,7 +417,10 @@ fn two_processes_through_the_bootstrap() -> Result<(), Failed> {
 
 fn child_send_recv() -> Result<(), Failed> {
     let launch = Launch::from_env()?.ok_or("no launcher variables")?;
-    let comm = launch.communicator(Duration::from_secs(60))?;
+    let comm = launch.communicator(CommOptions {
+        timeout: Duration::from_secs(60),
+        ..Default::default()
+    })?;
     let s = Stream::new(comm.device())?;
     let n = 4096;
     let mut x = DeviceBuffer::<f32>::zeros(&s, n)?;
