@@ -539,8 +539,11 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
             );
         }
         rows.push(row);
+        // Step by the factor, and end exactly at --max-bytes (8 B × 4^k never hits 1 GiB).
         bytes = match bytes.checked_mul(o.factor) {
+            Some(b) if b > o.max_bytes && bytes < o.max_bytes => o.max_bytes,
             Some(b) => b,
+            None if bytes < o.max_bytes => o.max_bytes,
             None => break,
         };
     }
