@@ -26,6 +26,12 @@ for t in .device/tests/*; do
   "$t" 2>&1 | tee -a "$log"
   [ "${PIPESTATUS[0]}" = 0 ] || failed+=("test $(basename "$t")")
 done
+# The long soak (the normal run above has the short one). HANDOFF_SOAK_ROUNDS overrides.
+if [ -x .device/tests/reliability ]; then
+  say "== soak, long form"
+  HANDOFF_SOAK_ROUNDS=${HANDOFF_SOAK_ROUNDS:-100000} .device/tests/reliability soak_article_loop 2>&1 | tee -a "$log"
+  [ "${PIPESTATUS[0]}" = 0 ] || failed+=("long soak")
+fi
 for e in .device/examples/*; do
   say "== example $(basename "$e")"
   "$e" 2>&1 | tee -a "$log"

@@ -188,6 +188,25 @@ pub fn datatype_size(d: ncclDataType_t) -> usize {
     }
 }
 
+/// The Rust name of an NCCL data type code, for messages.
+pub fn datatype_name(code: u32) -> &'static str {
+    match code {
+        0 => "i8",
+        1 => "u8",
+        2 => "i32",
+        3 => "u32",
+        4 => "i64",
+        5 => "u64",
+        6 => "f16",
+        7 => "f32",
+        8 => "f64",
+        9 => "bf16",
+        10 => "f8e4m3",
+        11 => "f8e5m2",
+        _ => "an unknown NCCL type",
+    }
+}
+
 /// How a communicator is created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CommOptions {
@@ -201,6 +220,13 @@ pub struct CommOptions {
     /// through NCCL's background thread, which costs tens of microseconds per call (see
     /// BENCHMARKS.md).
     pub blocking: bool,
+    /// Checked mode: before each group, every pair of ranks with sends or receives between them
+    /// swaps what it will post (counts, types, order), and a disagreement becomes
+    /// [`Error::Mismatch`] on both ranks, with nothing transferred, instead of a hang or silent
+    /// corruption. Costs one small NCCL exchange and a host wait per group. All ranks must use
+    /// the same setting (a rank without it never answers the exchange, which then times out).
+    /// Default: on in debug builds, off in release builds.
+    pub checked: bool,
 }
 
 impl Default for CommOptions {
@@ -208,6 +234,7 @@ impl Default for CommOptions {
         CommOptions {
             timeout: Duration::from_secs(120),
             blocking: true,
+            checked: cfg!(debug_assertions),
         }
     }
 }
@@ -218,6 +245,7 @@ impl CommOptions {
         CommOptions {
             timeout,
             blocking: false,
+            ..CommOptions::default()
         }
     }
 
@@ -502,16 +530,42 @@ impl Communicator {
     }
 
     fn wait_idle(&self, raw: ncclComm_t) -> Result<()> {
+        let events: Vec<Arc<PooledEvent>> = self.last.borrow().iter().map(|(_, e)| e.clone()).collect();
+        self.wait_events(raw, &events, "queued sends and receives")?;
+        self.last.borrow_mut().clear();
+        Ok(())
+    }
+
+    /// Blocks the host until all work queued so far on `stream` has completed, watching this
+    /// communicator's asynchronous error while it waits; on an error, or past
+    /// [`CommOptions::timeout`], aborts the communicator and returns the error. Use it instead
+    /// of [`Stream::synchronize`] where a peer's failure must not hang this rank.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], NCCL's asynchronous error, CUDA errors; [`Error::CommunicatorUnusable`].
+    pub fn wait_stream(&self, stream: &Stream) -> Result<()> {
+        let raw = self.usable()?;
+        let r = stream.device().take_event().and_then(|e| {
+            // SAFETY: both handles are live and of the same device.
+            unsafe { crate::result::event_record(e.raw, stream.as_raw()) }?;
+            self.wait_events(raw, &[e], "the work queued on a stream")
+        });
+        if let Err(e) = &r {
+            self.break_with(e);
+        }
+        r
+    }
+
+    fn wait_events(&self, raw: ncclComm_t, events: &[Arc<PooledEvent>], what: &str) -> Result<()> {
         let started = Instant::now();
         let mut spins = 0u32;
         loop {
             let mut idle = true;
-            for (_, e) in self.last.borrow().iter() {
+            for e in events {
                 // SAFETY: the event is kept alive by the Arc.
                 idle &= unsafe { crate::result::event_query(e.raw) }?;
             }
             if idle {
-                self.last.borrow_mut().clear();
                 return Ok(());
             }
             // SAFETY: `raw` is live (checked by the caller).
@@ -521,7 +575,7 @@ impl Communicator {
             }
             if started.elapsed() >= self.options.timeout {
                 return Err(Error::Timeout {
-                    what: format!("rank {}'s queued sends and receives", self.rank),
+                    what: format!("rank {}'s wait for {what}", self.rank),
                     after: self.options.timeout,
                 });
             }
@@ -865,21 +919,152 @@ impl<'a> Group<'a> {
         Ok(())
     }
 
+    /// Checked mode (see [`crate::checked`]): swaps a header with every peer this group talks
+    /// to, on communicators that have it on, and fails on both ranks if they disagree.
+    fn exchange_checks(&self) -> Result<()> {
+        use crate::checked::{Header, WORDS, compare};
+        // (communicator, peer, stream, header), in first-use order.
+        let mut pairs: Vec<(&Communicator, usize, &Stream, Header)> = Vec::new();
+        for o in self
+            .ops
+            .iter()
+            .filter(|o| o.comm.options.checked && o.peer != o.comm.rank)
+        {
+            let i = match pairs
+                .iter()
+                .position(|p| std::ptr::eq(p.0, o.comm) && p.1 == o.peer)
+            {
+                Some(i) => i,
+                None => {
+                    pairs.push((o.comm, o.peer, o.stream, Header::default()));
+                    pairs.len() - 1
+                }
+            };
+            let side = if o.access == Access::Read {
+                &mut pairs[i].3.sends
+            } else {
+                &mut pairs[i].3.recvs
+            };
+            side.push(o.count as u64, o.dtype.0);
+        }
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let mut bufs = Vec::with_capacity(pairs.len());
+        for (_, _, stream, header) in &pairs {
+            let out = DeviceBuffer::from_slice(stream, &header.encode())?;
+            let inbox = DeviceBuffer::<u64>::zeros(stream, WORDS)?;
+            bufs.push((out, inbox));
+        }
+        // The exchange itself. Its buffers are this function's own and used on one stream each,
+        // so no waits are needed before it; it is tracked after the group, like any transfer.
+        let started = Instant::now();
+        nc::group_start()?;
+        let mut failed = None;
+        for ((comm, peer, stream, _), (out, inbox)) in pairs.iter().zip(bufs.iter_mut()) {
+            // SAFETY: live 8-word buffers of the communicator's device, written and read only
+            // here, on this stream; the peer is in range (checked when the op was added).
+            let rcs = unsafe {
+                nc::send(
+                    out.as_raw_ptr().cast(),
+                    WORDS,
+                    ncclDataType_t::ncclUint64,
+                    *peer as i32,
+                    comm.raw.get(),
+                    stream.as_raw(),
+                )
+                .and_then(|a| {
+                    nc::recv(
+                        inbox.as_raw_mut_ptr().cast(),
+                        WORDS,
+                        ncclDataType_t::ncclUint64,
+                        *peer as i32,
+                        comm.raw.get(),
+                        stream.as_raw(),
+                    )
+                    .map(|b| [a, b])
+                })
+            };
+            match rcs {
+                Ok(rcs) => {
+                    if let Some(rc) = rcs
+                        .into_iter()
+                        .find(|rc| *rc != ncclResult_t::ncclSuccess && *rc != ncclResult_t::ncclInProgress)
+                    {
+                        failed = Some(nc::error("ncclSend/ncclRecv (checked-mode header)", rc));
+                        break;
+                    }
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let in_progress = nc::group_end().unwrap_or_else(|e| {
+            failed.get_or_insert(e);
+            false
+        });
+        // Track the exchange like any transfer, so that the buffers are freed only after it.
+        for ((_, _, stream, _), (out, inbox)) in pairs.iter().zip(&bufs) {
+            stream
+                .record_uses([(out.tracked(), Access::Read), (inbox.tracked(), Access::Write)].into_iter())?;
+        }
+        for (comm, ..) in &pairs {
+            if failed.is_some() {
+                break;
+            }
+            if in_progress {
+                // SAFETY: the communicator is live.
+                if let Err(e) = unsafe {
+                    nc::wait_ready(
+                        comm.raw.get(),
+                        "ncclGroupEnd (checked mode)",
+                        started,
+                        comm.timeout(),
+                    )
+                } {
+                    failed = Some(e);
+                }
+            }
+        }
+        if let Some(e) = failed {
+            for (comm, ..) in &pairs {
+                comm.break_with(&e);
+            }
+            return Err(e);
+        }
+        let mut mismatches = Vec::new();
+        for ((comm, peer, stream, mine), (_, inbox)) in pairs.iter().zip(&bufs) {
+            // Bounded: a peer that never answers (dead, or without checked mode) is a timeout.
+            comm.wait_stream(stream)?;
+            let theirs =
+                Header::decode(&inbox.to_vec(stream)?).map_err(|detail| Error::Mismatch { detail })?;
+            if let Err(detail) = compare(comm.rank, *peer, mine, &theirs) {
+                mismatches.push(detail);
+            }
+        }
+        if mismatches.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Mismatch {
+                detail: mismatches.join("; "),
+            })
+        }
+    }
+
     fn submit(self) -> Result<()> {
         if self.ops.is_empty() {
             return Ok(());
         }
         self.check_self_transfers()?;
-        // Distinct communicators and streams, in first-use order (few: a linear scan is fine).
+        self.exchange_checks()?;
+        // Distinct communicators, in first-use order (few: a linear scan is fine).
         let mut comms: Vec<&Communicator> = Vec::new();
-        let mut streams: Vec<&Stream> = Vec::new();
         for op in &self.ops {
             op.comm.usable()?;
             if !comms.iter().any(|c| std::ptr::eq(*c, op.comm)) {
                 comms.push(op.comm);
-            }
-            if !streams.iter().any(|s| s.id() == op.stream.id()) {
-                streams.push(op.stream);
             }
         }
         // The device current on this thread; the runtime calls below act on it. Switched only
@@ -968,18 +1153,32 @@ impl<'a> Group<'a> {
                 c.break_with(e);
             }
         }
-        // 4. Only now record the events that track the transfers, one per stream, even after
-        // an error: whatever did reach a stream stays tracked.
-        for s in &streams {
-            make_current(s.device())?;
-            let uses = self
-                .ops
-                .iter()
-                .filter(|o| o.stream.id() == s.id())
-                .map(|o| (o.tracked, o.access));
-            if let Some(event) = s.record_uses(uses)? {
-                for o in self.ops.iter().filter(|o| o.stream.id() == s.id()) {
-                    o.comm.note_last(s.id(), event.clone());
+        // 4. Only now record the events that track the transfers, even after an error: whatever
+        // did reach a stream stays tracked. One event per communicator, on the first stream it
+        // used: NCCL makes every stream of a group wait for the group's kernel ("it will behave
+        // as if the NCCL group operation was posted on every stream", NCCL's CUDA stream
+        // semantics), so that event completes only after all of the communicator's operations,
+        // whichever stream each was on; and later work on each op's own stream is ordered
+        // after it by that stream. Each use is recorded under its own stream.
+        for c in &comms {
+            let mine = || self.ops.iter().filter(|o| std::ptr::eq(o.comm, *c));
+            let first = mine()
+                .next()
+                .expect("every listed communicator has an operation")
+                .stream;
+            make_current(first.device())?;
+            match first.record_event() {
+                Ok(event) => {
+                    for o in mine() {
+                        o.tracked.lock().record(o.stream.id(), o.access, event.clone());
+                    }
+                    c.note_last(first.id(), event);
+                }
+                Err(_) => {
+                    // Untracked but queued: wait for it on the host instead.
+                    for o in mine() {
+                        o.stream.synchronize()?;
+                    }
                 }
             }
         }

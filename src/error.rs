@@ -98,6 +98,17 @@ pub enum Error {
         reason: String,
     },
 
+    /// Checked mode found that a send and its receive disagree (count, type, or order). Both
+    /// ranks return this, and neither transferred anything; the communicator stays usable.
+    #[error(
+        "send/receive mismatch: {detail}. Both ranks must post matching sends and receives \
+         (same peer, element count and type, in the same order); nothing was transferred"
+    )]
+    Mismatch {
+        /// Both sides' values.
+        detail: String,
+    },
+
     /// Exchanging the unique id between processes failed.
     #[error("bootstrap at {addr} failed: {detail}")]
     Bootstrap {

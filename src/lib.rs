@@ -60,6 +60,7 @@
 
 pub mod bootstrap;
 pub mod buffer;
+pub mod checked;
 pub mod comm;
 pub mod device;
 pub mod error;

@@ -188,8 +188,8 @@ impl Stream {
 
     /// Records one event here, after the work just queued, and registers it as the latest use
     /// of each tracker. If recording fails, the host waits for the stream instead, so no
-    /// untracked use is left pending; if even that fails, the error is returned (the device is
-    /// then in CUDA's sticky error state, where no further work runs).
+    /// untracked use is left pending (`Ok(None)`); if even that fails, the error is returned
+    /// (the device is then in CUDA's sticky error state, where no further work runs).
     pub(crate) fn record_uses<'t>(
         &self,
         uses: impl Iterator<Item = (&'t Tracked, Access)> + Clone,
@@ -197,12 +197,7 @@ impl Stream {
         if uses.clone().next().is_none() {
             return Ok(None);
         }
-        let recorded = self.device.take_event().and_then(|event| {
-            // SAFETY: both handles are live and of the same device.
-            unsafe { cu::event_record(event.raw, self.raw)? };
-            Ok(event)
-        });
-        match recorded {
+        match self.record_event() {
             Ok(event) => {
                 for (t, access) in uses {
                     t.lock().record(self.id, access, event.clone());
@@ -213,6 +208,14 @@ impl Stream {
             // and the trackers' older entries stay correct.
             Err(_) => self.synchronize().map(|()| None),
         }
+    }
+
+    /// A pooled event recorded here now.
+    pub(crate) fn record_event(&self) -> Result<Arc<PooledEvent>> {
+        let event = self.device.take_event()?;
+        // SAFETY: both handles are live and of the same device.
+        unsafe { cu::event_record(event.raw, self.raw)? };
+        Ok(event)
     }
 }
 

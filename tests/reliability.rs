@@ -1,0 +1,427 @@
+//! Reliability: what NCCL really does with an unmatched send, bounded waits, dropping a
+//! communicator with work pending, a soak of the article's loop with random delays, and (on two
+//! GPUs) a peer killed mid-loop and sends and receives that disagree across two processes.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Gpus, assert_all_eq};
+use handoff::kernels::{self, produced_value};
+use handoff::result::nccl as raw_nccl;
+use handoff::sys::nccl::ncclDataType_t;
+use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Error, Launch, Stream, group};
+use libtest_mimic::Failed;
+
+const CHILD_VAR: &str = "HANDOFF_TEST_CHILD";
+
+fn main() {
+    if let Ok(role) = std::env::var(CHILD_VAR) {
+        let r = match role.as_str() {
+            "dead_peer" => child_dead_peer(),
+            "mismatch_count" => child_mismatch(3, false),
+            "mismatch_type" => child_mismatch(4, true),
+            other => Err(format!("unknown child role {other}").into()),
+        };
+        if let Err(e) = r {
+            eprintln!("child {role} failed: {}", e.message().unwrap_or("?"));
+            std::process::exit(1);
+        }
+        std::process::exit(0);
+    }
+    let g = Gpus::detect();
+    common::run(vec![
+        g.trial(
+            "unmatched_send_to_oneself_is_bounded_by_wait_stream",
+            1,
+            unmatched_self_send,
+        ),
+        g.trial(
+            "dropping_a_communicator_with_work_pending",
+            1,
+            drop_comm_with_pending_work,
+        ),
+        g.trial("soak_article_loop_with_random_delays", 1, soak),
+        g.trial("dead_peer_survivor_errors_within_its_timeout", 2, dead_peer),
+        g.trial("mismatched_count_across_two_processes", 2, || {
+            mismatch_across_processes("mismatch_count")
+        }),
+        g.trial("mismatched_type_across_two_processes", 2, || {
+            mismatch_across_processes("mismatch_type")
+        }),
+    ]);
+}
+
+fn one_rank(options: CommOptions) -> Result<(Device, Communicator), Failed> {
+    let dev = Device::new(0)?;
+    let comm = Communicator::init_all_with(std::slice::from_ref(&dev), options)?
+        .pop()
+        .ok_or("no communicator")?;
+    Ok((dev, comm))
+}
+
+/// What NCCL itself does with a send to oneself that has no receive, and with a self send and
+/// receive of different counts, through the raw calls (the safe API refuses both before NCCL):
+/// found out on an H200 with NCCL 2.28, it refuses the first at once ("Trying to send to self
+/// without a matching recv"), and takes the second, writing all 256 sent elements into the
+/// 200-element receive (past its count). Whatever it does, it must not hang this process: every
+/// wait below is bounded. Then `wait_stream` on a stream that does not finish in time: a timeout within its
+/// bound, the communicator aborted, later calls refused.
+fn unmatched_self_send() -> Result<(), Failed> {
+    let timeout = Duration::from_secs(3);
+    let (dev, comm) = one_rank(CommOptions {
+        timeout,
+        ..CommOptions::default()
+    })?;
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[1.0f32; 256])?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 256)?;
+    s.synchronize()?;
+    // SAFETY: `x` and `y` are live on the communicator's device with 256 floats; the stream is
+    // live. Both buffers outlive the stream's work (it is waited for below, with a bound).
+    let alone = unsafe {
+        raw_nccl::send(
+            x.as_raw_ptr().cast(),
+            256,
+            ncclDataType_t::ncclFloat32,
+            0,
+            comm.as_raw(),
+            s.as_raw(),
+        )
+    }?;
+    println!("raw ncclSend to itself, alone: {}", describe(alone));
+    // SAFETY: as above.
+    let uneven = unsafe {
+        raw_nccl::group_start()?;
+        let a = raw_nccl::send(
+            x.as_raw_ptr().cast(),
+            256,
+            ncclDataType_t::ncclFloat32,
+            0,
+            comm.as_raw(),
+            s.as_raw(),
+        )?;
+        let b = raw_nccl::recv(
+            y.as_raw_mut_ptr().cast(),
+            200,
+            ncclDataType_t::ncclFloat32,
+            0,
+            comm.as_raw(),
+            s.as_raw(),
+        )?;
+        let end = raw_nccl::group_end();
+        (a, b, end)
+    };
+    println!(
+        "raw group of a 256-element send and a 200-element receive to itself: send {}, receive {}, group end {:?}",
+        describe(uneven.0),
+        describe(uneven.1),
+        uneven.2.as_ref().map(|_| "ok")
+    );
+    match comm.wait_stream(&s) {
+        Ok(()) => {
+            let got = y.to_vec(&s)?;
+            let filled = got.iter().filter(|v| **v == 1.0).count();
+            println!(
+                "the uneven pair completed; the 256-element buffer behind the 200-element receive \
+                 holds {filled} of the 256 sent values"
+            );
+        }
+        Err(e) => {
+            println!("the uneven pair did not complete: {e}");
+            // The raw operations are untracked: keep their buffers until the stream has drained
+            // (the abort stops NCCL's kernel), or for good if it never does.
+            let t = Instant::now();
+            while !s.is_idle().unwrap_or(false) && t.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if !s.is_idle().unwrap_or(false) {
+                std::mem::forget((x, y));
+                return Err("the stream still runs 10 s after the abort".into());
+            }
+            println!("stream drained {:?} after the abort", t.elapsed());
+        }
+    }
+    // A stream that outlasts the timeout: `wait_stream` gives up and aborts the communicator.
+    // The abort itself waits for kernels already running on the device (NCCL frees device
+    // memory, and a free synchronizes the device): seen on the H200, a 3 s timeout on a stream
+    // running a 6 s kernel returned after 6.03 s. So the bound is the longer of the two.
+    let timeout = Duration::from_secs(1);
+    let kernel = Duration::from_secs(3);
+    let (dev, comm) = one_rank(CommOptions {
+        timeout,
+        ..CommOptions::default()
+    })?;
+    let s = Stream::new(&dev)?;
+    kernels::busy(&s, kernel)?;
+    let t = Instant::now();
+    match comm.wait_stream(&s) {
+        Err(Error::Timeout { what, after }) => {
+            println!("after {:?}: timeout ({after:?}) waiting for {what}", t.elapsed())
+        }
+        other => return Err(format!("expected a timeout, got {other:?} after {:?}", t.elapsed()).into()),
+    }
+    if t.elapsed() > kernel + Duration::from_secs(2) {
+        return Err(format!(
+            "a {timeout:?} timeout on a {kernel:?} kernel took {:?}",
+            t.elapsed()
+        )
+        .into());
+    }
+    let x = DeviceBuffer::from_slice(&s, &[1.0f32; 4])?;
+    match comm.send(&x, 0, &s) {
+        Err(Error::CommunicatorUnusable { reason }) => println!("later calls fail: {reason}"),
+        other => return Err(format!("a call after the timeout gave {other:?}").into()),
+    }
+    Ok(())
+}
+
+fn describe(rc: handoff::sys::nccl::ncclResult_t) -> String {
+    if rc.0 == 0 {
+        "accepted".into()
+    } else {
+        format!("refused: {}", raw_nccl::error("NCCL", rc))
+    }
+}
+
+/// Dropping a communicator whose transfer is still queued behind a long kernel waits for it
+/// (bounded), does not hang, and leaves the received data intact.
+fn drop_comm_with_pending_work() -> Result<(), Failed> {
+    let (dev, comm) = one_rank(CommOptions {
+        timeout: Duration::from_secs(10),
+        ..CommOptions::default()
+    })?;
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[5u32; 4096])?;
+    let mut y = DeviceBuffer::<u32>::zeros(&s, 4096)?;
+    kernels::busy(&s, Duration::from_millis(300))?;
+    group(|g| {
+        g.send(&comm, &x, 0, &s)?;
+        g.recv(&comm, &mut y, 0, &s)
+    })?;
+    let t = Instant::now();
+    drop(comm);
+    println!("dropping the communicator took {:?}", t.elapsed());
+    if t.elapsed() > Duration::from_secs(10) {
+        return Err("drop took longer than the timeout".into());
+    }
+    drop(x); // freed after the send, by tracking
+    assert_all_eq("y", &y.to_vec(&s)?, |_| 5)
+}
+
+/// A small deterministic generator (xorshift64*), so a failing soak can be replayed by seed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The article's loop, many rounds: A on a producer stream, send and receive (one rank to
+/// itself) with the receive on a communication stream, B on a compute stream, every buffer
+/// reused, random extra GPU delays (C) on either side, and every element of every y checked.
+/// Rounds: HANDOFF_SOAK_ROUNDS (default 2000); seed: HANDOFF_SOAK_SEED.
+fn soak() -> Result<(), Failed> {
+    let rounds: u64 = std::env::var("HANDOFF_SOAK_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000);
+    let seed: u64 = std::env::var("HANDOFF_SOAK_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x5eed_1234);
+    let (dev, comm) = one_rank(CommOptions::default())?;
+    let (producer, comm_s, compute) = (Stream::new(&dev)?, Stream::new(&dev)?, Stream::new(&dev)?);
+    let n = 4096;
+    const SLOTS: usize = 8;
+    let mut x = DeviceBuffer::<f32>::zeros(&producer, n)?;
+    let mut received = DeviceBuffer::<f32>::zeros(&comm_s, n)?;
+    let mut ys: Vec<DeviceBuffer<f32>> = (0..SLOTS)
+        .map(|_| DeviceBuffer::zeros(&compute, n))
+        .collect::<handoff::Result<_>>()?;
+    let mut rng = Rng(seed | 1);
+    let mut mismatches = 0usize;
+    let mut checked = 0u64;
+    let t = Instant::now();
+    let check = |y: &DeviceBuffer<f32>, round: u64, mismatches: &mut usize| -> Result<(), Failed> {
+        let got = y.to_vec(&compute)?;
+        let bad = (0..n)
+            .filter(|&i| got[i] != 2.0 * produced_value(i, round as u32))
+            .count();
+        if bad > 0 && *mismatches == 0 {
+            eprintln!("round {round}: {bad} of {n} elements wrong (seed {seed})");
+        }
+        *mismatches += bad;
+        Ok(())
+    };
+    for round in 0..rounds {
+        let slot = round as usize % SLOTS;
+        if round >= SLOTS as u64 {
+            // The slot is about to be reused: check the y it holds, from SLOTS rounds ago.
+            check(&ys[slot], round - SLOTS as u64, &mut mismatches)?;
+            checked += 1;
+        }
+        if rng.below(4) == 0 {
+            kernels::busy(&producer, Duration::from_micros(rng.below(200)))?;
+        }
+        kernels::produce(&producer, &mut x, round as u32)?; // A rewrites x: waits for the last send
+        group(|g| {
+            g.send(&comm, &x, 0, &producer)?;
+            g.recv(&comm, &mut received, 0, &comm_s) // waits for the last B to read it
+        })?;
+        if rng.below(4) == 0 {
+            kernels::busy(&compute, Duration::from_micros(rng.below(200)))?;
+        }
+        kernels::twice(&compute, &received, &mut ys[slot])?; // B
+    }
+    for k in 0..(rounds as usize).min(SLOTS) {
+        let round = rounds - 1 - k as u64;
+        check(&ys[round as usize % SLOTS], round, &mut mismatches)?;
+        checked += 1;
+    }
+    let elapsed = t.elapsed();
+    println!(
+        "soak: {rounds} rounds, {checked} y checked ({} elements), {mismatches} mismatched elements, {elapsed:?}, seed {seed}",
+        checked * n as u64
+    );
+    if mismatches > 0 {
+        return Err(format!("{mismatches} mismatched elements").into());
+    }
+    Ok(())
+}
+
+fn free_port() -> Result<u16, Failed> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn spawn_pair(role: &str) -> Result<Vec<std::process::Child>, Failed> {
+    let port = free_port()?.to_string();
+    let exe = std::env::current_exe()?;
+    (0..2)
+        .map(|rank| {
+            Command::new(&exe)
+                .env(CHILD_VAR, role)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(Stdio::piped())
+                .spawn()
+                .map_err(Failed::from)
+        })
+        .collect()
+}
+
+/// Rank 0 is killed in the middle of a send/receive loop; rank 1 must return an error within
+/// its timeout and exit cleanly.
+fn dead_peer() -> Result<(), Failed> {
+    let mut kids = spawn_pair("dead_peer")?;
+    let out0 = kids[0].stdout.take().ok_or("no stdout")?;
+    for line in BufReader::new(out0).lines() {
+        let line = line?;
+        println!("rank 0: {line}");
+        if line.contains("round 20") {
+            break;
+        }
+    }
+    kids[0].kill()?;
+    let killed = Instant::now();
+    let _ = kids[0].wait();
+    let status = kids[1].wait()?;
+    let took = killed.elapsed();
+    let mut out1 = String::new();
+    std::io::Read::read_to_string(&mut kids[1].stdout.take().ok_or("no stdout")?, &mut out1)?;
+    println!("rank 1 ({status}, {took:?} after the kill):\n{out1}");
+    if !status.success() || !out1.contains("peer failure detected") {
+        return Err("the survivor did not report the dead peer".into());
+    }
+    if took > Duration::from_secs(30) {
+        return Err(format!("the survivor took {took:?}").into());
+    }
+    Ok(())
+}
+
+fn child_dead_peer() -> Result<(), Failed> {
+    let launch = Launch::from_env()?.ok_or("no launcher variables")?;
+    let comm = launch.communicator(CommOptions {
+        timeout: Duration::from_secs(10),
+        ..CommOptions::default()
+    })?;
+    let s = Stream::new(comm.device())?;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, 1 << 16)?;
+    for round in 0.. {
+        if comm.rank() == 0 {
+            kernels::produce(&s, &mut x, round)?;
+            comm.send(&x, 1, &s)?;
+            s.synchronize()?;
+            println!("round {round}");
+            std::thread::sleep(Duration::from_millis(10));
+        } else {
+            let r = comm.recv(&mut x, 0, &s).and_then(|()| comm.wait_stream(&s));
+            if let Err(e) = r {
+                println!("peer failure detected in round {round}: {e}");
+                drop(x);
+                drop(comm);
+                return Ok(());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Rank 0 sends 4 f32; rank 1 receives 3 f32 (count) or 4 i32 (type), in checked mode: both
+/// ranks get `Error::Mismatch` naming both sides, and nothing hangs.
+fn mismatch_across_processes(role: &str) -> Result<(), Failed> {
+    let kids = spawn_pair(role)?;
+    let mut failed = Vec::new();
+    for (rank, k) in kids.into_iter().enumerate() {
+        let out = k.wait_with_output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        println!("rank {rank}: {text}");
+        if !out.status.success() || !text.contains("mismatch") {
+            failed.push(rank);
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("ranks {failed:?} did not report the mismatch").into())
+    }
+}
+
+fn child_mismatch(recv_count: usize, as_i32: bool) -> Result<(), Failed> {
+    let launch = Launch::from_env()?.ok_or("no launcher variables")?;
+    let options = CommOptions {
+        timeout: Duration::from_secs(20),
+        checked: true,
+        ..CommOptions::default()
+    };
+    let comm = launch.communicator(options)?;
+    let s = Stream::new(comm.device())?;
+    let r = if comm.rank() == 0 {
+        let x = DeviceBuffer::from_slice(&s, &[1.0f32; 4])?;
+        comm.send(&x, 1, &s)
+    } else if as_i32 {
+        let mut y = DeviceBuffer::<i32>::zeros(&s, recv_count)?;
+        comm.recv(&mut y, 0, &s)
+    } else {
+        let mut y = DeviceBuffer::<f32>::zeros(&s, recv_count)?;
+        comm.recv(&mut y, 0, &s)
+    };
+    match r {
+        Err(Error::Mismatch { detail }) => {
+            println!("rank {}: mismatch reported: {detail}", comm.rank());
+            Ok(())
+        }
+        other => Err(format!("expected a mismatch, got {other:?}").into()),
+    }
+}
