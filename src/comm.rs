@@ -928,7 +928,9 @@ impl<'a> Group<'a> {
         for o in self
             .ops
             .iter()
-            .filter(|o| o.comm.options.checked && o.peer != o.comm.rank)
+            // Pairs with oneself take part too: `check_self_transfers` has already compared
+            // them locally, and exchanging with oneself runs the same path as with a peer.
+            .filter(|o| o.comm.options.checked)
         {
             let i = match pairs
                 .iter()
