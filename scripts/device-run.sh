@@ -4,7 +4,7 @@
 # Logs go to $OUT (the device tool's folder) or ./device-logs.
 #   run.log     every test binary and example, in order, with a summary at the end
 #   bypass.log  the GPU tests with tracking bypassed: their hazard tests are expected to FAIL
-#   sendrecv-MODE.csv, sendrecv-MODE.svg  the benchmark's rows and plot
+#   bench.tar   the benchmark's rows and plots: sendrecv-MODE.csv, sendrecv-MODE.svg
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-device-logs}
@@ -40,21 +40,25 @@ done
 # The send/recv benchmark in every mode the machine's GPUs allow; tables in run.log, CSV and SVG
 # beside it. HANDOFF_BENCH_ARGS adds options (e.g. "--max-bytes 64M").
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+# At most 8 files come back from the device tool: the benchmark's CSV and SVG files go into
+# one archive, bench.tar.
+bench=$(mktemp -d)
 if [ -x .device/benches/sendrecv ]; then
   modes="self"
   [ "$gpus" -ge 2 ] && modes="self inproc procs"
   for m in $modes; do
     say "== bench sendrecv --mode $m"
     # shellcheck disable=SC2086
-    .device/benches/sendrecv --mode "$m" --csv "$out/sendrecv-$m.csv" --svg "$out/sendrecv-$m.svg" \
+    .device/benches/sendrecv --mode "$m" --csv "$bench/sendrecv-$m.csv" --svg "$bench/sendrecv-$m.svg" \
       ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench sendrecv --mode $m")
   done
   say "== bench sendrecv --mode self --nonblocking"
   # shellcheck disable=SC2086
-  .device/benches/sendrecv --mode self --nonblocking --csv "$out/sendrecv-self-nb.csv" \
-    --svg "$out/sendrecv-self-nb.svg" ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
+  .device/benches/sendrecv --mode self --nonblocking --csv "$bench/sendrecv-self-nb.csv" \
+    --svg "$bench/sendrecv-self-nb.svg" ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
   [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench sendrecv --mode self --nonblocking")
+  tar -cf "$out/bench.tar" -C "$bench" .
 fi
 
 if [ -d .device/bypass ]; then

@@ -196,7 +196,11 @@ impl Device {
         let pooled = self.inner.events.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let raw = match pooled {
             Some(e) => e,
-            None => cu::event_create(false)?,
+            None => {
+                // Events belong to the device current at creation: make sure it is this one.
+                self.set_current()?;
+                cu::event_create(false)?
+            }
         };
         Ok(Arc::new(PooledEvent {
             raw,
