@@ -81,7 +81,9 @@ pub enum Error {
     /// matched, a finalize that never completed. A communicator is aborted before this is
     /// returned.
     #[error(
-        "{what} did not complete within {after:?}: a peer may have died, never started, or          posted a different operation; check that every rank runs and that their sends and          receives match, or raise the timeout"
+        "{what} did not complete within {after:?}: a peer may have died, never started, or \
+         posted a different operation; check that every rank runs and that their sends and \
+         receives match, or raise the timeout"
     )]
     Timeout {
         /// What was waited for.
@@ -167,6 +169,20 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("free buffers"), "{s}");
+    }
+
+    #[test]
+    fn timeout_names_what_and_how_long_in_one_clean_sentence() {
+        let e = Error::Timeout {
+            what: "fetching the id".into(),
+            after: std::time::Duration::from_secs(3),
+        };
+        let s = e.to_string();
+        assert!(
+            s.starts_with("fetching the id did not complete within 3s: a peer may have died"),
+            "{s}"
+        );
+        assert!(!s.contains("  "), "no runs of spaces: {s}");
     }
 
     #[test]
