@@ -20,7 +20,6 @@
 //! (`--svg`, default `sendrecv.svg`).
 
 use std::fmt::Write as _;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use handoff::result::nccl as raw_nccl;
@@ -174,26 +173,11 @@ fn main() {
 
 /// Starts the two processes of `--mode procs`, as a launcher would.
 fn spawn_procs(o: &Opts) -> Result<(), String> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| e.to_string())?
-        .port();
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut kids = Vec::new();
-    for rank in 0..2 {
-        kids.push(
-            Command::new(&exe)
-                .args(&args)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", o.devices[rank].to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .spawn()
-                .map_err(|e| format!("starting rank {rank}: {e}"))?,
-        );
-    }
+    let kids = handoff::bootstrap::spawn_local(2, |rank, cmd| {
+        cmd.args(&args).env("LOCAL_RANK", o.devices[rank].to_string());
+    })
+    .map_err(|e| e.to_string())?;
     let failed: Vec<usize> = kids
         .into_iter()
         .enumerate()

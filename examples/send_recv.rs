@@ -12,7 +12,6 @@
 //! - With one GPU it says that two are needed and runs the same flow as a one-rank
 //!   communicator sending to itself. With none it exits non-zero.
 
-use std::process::Command;
 use std::time::Duration;
 
 use handoff::kernels::{self, produced_value};
@@ -53,24 +52,8 @@ fn start() -> handoff::Result<()> {
 }
 
 fn spawn_two() -> handoff::Result<()> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| handoff::Error::InvalidArgument(format!("no free local port: {e}")))?;
-    let exe = std::env::current_exe().map_err(|e| handoff::Error::InvalidArgument(e.to_string()))?;
-    println!("send_recv: starting 2 processes (ranks 0 and 1, GPUs 0 and 1), rendezvous at 127.0.0.1:{port}");
-    let mut children = Vec::new();
-    for rank in 0..2 {
-        let child = Command::new(&exe)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", "2")
-            .env("LOCAL_RANK", rank.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .spawn()
-            .map_err(|e| handoff::Error::InvalidArgument(format!("cannot start rank {rank}: {e}")))?;
-        children.push(child);
-    }
+    println!("send_recv: starting 2 processes (ranks 0 and 1, GPUs 0 and 1) on this machine");
+    let children = handoff::bootstrap::spawn_local(2, |_, _| {})?;
     let mut failed = Vec::new();
     for (rank, mut c) in children.into_iter().enumerate() {
         match c.wait() {

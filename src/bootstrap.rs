@@ -167,6 +167,44 @@ impl Launch {
     }
 }
 
+/// Starts `world` copies of the running executable on this machine, one rank each, as a launcher
+/// would: rank `r` gets `RANK=r`, `WORLD_SIZE`, `LOCAL_RANK=r`, `MASTER_ADDR=127.0.0.1` and a
+/// free `MASTER_PORT`, and inherits the rest of the environment (`NCCL_*` included).
+/// `configure` may change each rank's command (arguments, variables, redirections) before it
+/// starts. Returns the children in rank order; the caller waits for them.
+///
+/// # Errors
+/// [`Error::Bootstrap`] when no port is free or a process cannot be started.
+pub fn spawn_local(
+    world: usize,
+    mut configure: impl FnMut(usize, &mut std::process::Command),
+) -> Result<Vec<std::process::Child>> {
+    let fail = |detail: String| Error::Bootstrap {
+        addr: "127.0.0.1".into(),
+        detail,
+    };
+    // The port is free now; another program could take it before rank 0 listens, in which case
+    // rank 0 reports the port in use.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| fail(format!("no free local port: {e}")))?
+        .port();
+    let exe = std::env::current_exe().map_err(|e| fail(format!("cannot find this executable: {e}")))?;
+    (0..world)
+        .map(|rank| {
+            let mut cmd = std::process::Command::new(&exe);
+            cmd.env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string());
+            configure(rank, &mut cmd);
+            cmd.spawn()
+                .map_err(|e| fail(format!("cannot start rank {rank}: {e}")))
+        })
+        .collect()
+}
+
 fn resolve(addr: &str) -> Result<SocketAddr> {
     addr.to_socket_addrs()
         .map_err(|e| Error::Bootstrap {

@@ -27,6 +27,7 @@ fn main() {
             garbage_and_wrong_version,
         ),
         Trial::test("answer_from_another_program_is_a_clear_error", another_program),
+        Trial::test("spawn_local_starts_ranks_a_launcher_would", spawn_local_ranks),
     ];
     libtest_mimic::run(&args, trials).exit()
 }
@@ -46,6 +47,14 @@ fn child(role: &str) -> i32 {
             serve_unique_id(&addr, &id, clients, timeout)?.wait()
         }),
         "fetch" => fetch_unique_id(&addr, timeout).map(|id| println!("id={id}")),
+        "launch" => handoff::Launch::from_env().and_then(|l| {
+            let l = l.ok_or_else(|| handoff::Error::InvalidArgument("no launcher variables".into()))?;
+            println!(
+                "{} {} {} {} {}",
+                l.launcher, l.rank, l.world_size, l.local_rank, l.master
+            );
+            Ok(())
+        }),
         _ => return 3,
     };
     match r {
@@ -221,6 +230,30 @@ fn another_program() -> Result<(), Failed> {
     let _ = t.join();
     if ok || !err.contains("another program") {
         return Err(format!("ok={ok} err={err:?}").into());
+    }
+    Ok(())
+}
+
+/// `spawn_local` starts the ranks with the variables a launcher sets, which `Launch::from_env`
+/// then reads in each of them.
+fn spawn_local_ranks() -> Result<(), Failed> {
+    let kids = handoff::bootstrap::spawn_local(3, |_, cmd| {
+        cmd.env(ROLE, "launch").stdout(Stdio::piped());
+    })?;
+    let mut masters = Vec::new();
+    for (rank, k) in kids.into_iter().enumerate() {
+        let (ok, out, err) = finish(k)?;
+        let f: Vec<&str> = out.split_whitespace().collect();
+        if !ok || f.len() != 5 || f[..4] != ["torchrun", &rank.to_string(), "3", &rank.to_string()] {
+            return Err(format!("rank {rank}: ok={ok} out={out:?} err={err:?}").into());
+        }
+        masters.push(f[4].to_string());
+    }
+    if !masters
+        .iter()
+        .all(|m| m == &masters[0] && m.starts_with("127.0.0.1:"))
+    {
+        return Err(format!("ranks disagree on the address: {masters:?}").into());
     }
     Ok(())
 }

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{Gpus, assert_all_eq};
@@ -16,21 +15,9 @@ use handoff::{
 use libtest_mimic::Failed;
 
 const LONG: Duration = Duration::from_millis(300);
-const CHILD_VAR: &str = "HANDOFF_TEST_CHILD";
 
 fn main() {
-    if let Ok(role) = std::env::var(CHILD_VAR) {
-        // A child process started by `two_processes_through_the_bootstrap`.
-        let r = match role.as_str() {
-            "send_recv" => child_send_recv(),
-            other => Err(format!("unknown child role {other}").into()),
-        };
-        if let Err(e) = r {
-            eprintln!("child {role} failed: {}", e.message().unwrap_or("?"));
-            std::process::exit(1);
-        }
-        std::process::exit(0);
-    }
+    common::run_child_role(&[("send_recv", child_send_recv)]);
     let g = Gpus::detect();
     common::run(vec![
         g.trial("unique_id_from_nccl_round_trips", 1, unique_id_from_nccl),
@@ -75,11 +62,7 @@ fn main() {
 }
 
 fn one_rank() -> Result<(Device, Communicator), Failed> {
-    let dev = Device::new(0)?;
-    let comm = Communicator::init_all(std::slice::from_ref(&dev))?
-        .pop()
-        .ok_or("no communicator")?;
-    Ok((dev, comm))
+    common::one_rank(CommOptions::default())
 }
 
 fn self_transfer<T: NcclType>(
@@ -380,30 +363,10 @@ fn two_ranks_in_one_process() -> Result<(), Failed> {
     Ok(())
 }
 
-fn free_port() -> Result<u16, Failed> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// Two processes, one GPU each, joined through the bootstrap as a launcher would start them.
 fn two_processes_through_the_bootstrap() -> Result<(), Failed> {
-    let port = free_port()?.to_string();
-    let exe = std::env::current_exe()?;
-    let mut children = Vec::new();
-    for rank in 0..2 {
-        children.push(
-            Command::new(&exe)
-                .env(CHILD_VAR, "send_recv")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("NCCL_NVLS_ENABLE", "0")
-                .spawn()?,
-        );
-    }
     let mut failed = Vec::new();
-    for (rank, mut c) in children.into_iter().enumerate() {
+    for (rank, mut c) in common::spawn_ranks("send_recv", false)?.into_iter().enumerate() {
         if !c.wait()?.success() {
             failed.push(rank);
         }

@@ -5,32 +5,21 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Gpus, assert_all_eq};
 use handoff::kernels::{self, produced_value};
 use handoff::result::nccl as raw_nccl;
 use handoff::sys::nccl::ncclDataType_t;
-use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Error, Launch, Stream, group};
+use handoff::{CommOptions, DeviceBuffer, Error, Launch, Stream, group};
 use libtest_mimic::Failed;
 
-const CHILD_VAR: &str = "HANDOFF_TEST_CHILD";
-
 fn main() {
-    if let Ok(role) = std::env::var(CHILD_VAR) {
-        let r = match role.as_str() {
-            "dead_peer" => child_dead_peer(),
-            "mismatch_count" => child_mismatch(3, false),
-            "mismatch_type" => child_mismatch(4, true),
-            other => Err(format!("unknown child role {other}").into()),
-        };
-        if let Err(e) = r {
-            eprintln!("child {role} failed: {}", e.message().unwrap_or("?"));
-            std::process::exit(1);
-        }
-        std::process::exit(0);
-    }
+    common::run_child_role(&[
+        ("dead_peer", child_dead_peer),
+        ("mismatch_count", || child_mismatch(3, false)),
+        ("mismatch_type", || child_mismatch(4, true)),
+    ]);
     let g = Gpus::detect();
     common::run(vec![
         g.trial(
@@ -54,13 +43,7 @@ fn main() {
     ]);
 }
 
-fn one_rank(options: CommOptions) -> Result<(Device, Communicator), Failed> {
-    let dev = Device::new(0)?;
-    let comm = Communicator::init_all_with(std::slice::from_ref(&dev), options)?
-        .pop()
-        .ok_or("no communicator")?;
-    Ok((dev, comm))
-}
+use common::one_rank;
 
 /// What NCCL itself does with a send to oneself that has no receive, and with a self send and
 /// receive of different counts, through the raw calls (the safe API refuses both before NCCL):
@@ -298,33 +281,10 @@ fn soak() -> Result<(), Failed> {
     Ok(())
 }
 
-fn free_port() -> Result<u16, Failed> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn spawn_pair(role: &str) -> Result<Vec<std::process::Child>, Failed> {
-    let port = free_port()?.to_string();
-    let exe = std::env::current_exe()?;
-    (0..2)
-        .map(|rank| {
-            Command::new(&exe)
-                .env(CHILD_VAR, role)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .stdout(Stdio::piped())
-                .spawn()
-                .map_err(Failed::from)
-        })
-        .collect()
-}
-
 /// Rank 0 is killed in the middle of a send/receive loop; rank 1 must return an error within
 /// its timeout and exit cleanly.
 fn dead_peer() -> Result<(), Failed> {
-    let mut kids = spawn_pair("dead_peer")?;
+    let mut kids = common::spawn_ranks("dead_peer", true)?;
     let out0 = kids[0].stdout.take().ok_or("no stdout")?;
     for line in BufReader::new(out0).lines() {
         let line = line?;
@@ -381,7 +341,7 @@ fn child_dead_peer() -> Result<(), Failed> {
 /// Rank 0 sends 4 f32; rank 1 receives 3 f32 (count) or 4 i32 (type), in checked mode: both
 /// ranks get `Error::Mismatch` naming both sides, and nothing hangs.
 fn mismatch_across_processes(role: &str) -> Result<(), Failed> {
-    let kids = spawn_pair(role)?;
+    let kids = common::spawn_ranks(role, true)?;
     let mut failed = Vec::new();
     for (rank, k) in kids.into_iter().enumerate() {
         let out = k.wait_with_output()?;

@@ -38,7 +38,7 @@ impl Gpus {
     }
 
     /// A trial that needs `needs` GPUs.
-    pub fn trial(&self, name: &str, needs: usize, f: fn() -> Result<(), Failed>) -> Trial {
+    pub fn trial(&self, name: &str, needs: usize, f: TestFn) -> Trial {
         if self.usable >= needs {
             Trial::test(name, f)
         } else if self.required >= needs {
@@ -88,4 +88,46 @@ pub fn assert_all_eq<T: PartialEq + std::fmt::Debug>(
         shown.join(", ")
     )
     .into())
+}
+
+/// A test body.
+pub type TestFn = fn() -> Result<(), Failed>;
+
+/// Set in the processes that the two-process tests start: the role each plays.
+pub const CHILD_VAR: &str = "HANDOFF_TEST_CHILD";
+
+/// In a process started by [`spawn_ranks`], runs its role and exits (0 on success); elsewhere
+/// returns at once.
+pub fn run_child_role(roles: &[(&str, TestFn)]) {
+    let Ok(role) = std::env::var(CHILD_VAR) else {
+        return;
+    };
+    let r = match roles.iter().find(|(name, _)| *name == role) {
+        Some((_, f)) => f(),
+        None => Err(format!("unknown child role {role}").into()),
+    };
+    if let Err(e) = r {
+        eprintln!("child {role} failed: {}", e.message().unwrap_or("?"));
+        std::process::exit(1);
+    }
+    std::process::exit(0);
+}
+
+/// Starts two ranks of this test binary on this machine, playing `role`.
+pub fn spawn_ranks(role: &str, piped_stdout: bool) -> Result<Vec<std::process::Child>, Failed> {
+    Ok(handoff::bootstrap::spawn_local(2, |_, cmd| {
+        cmd.env(CHILD_VAR, role);
+        if piped_stdout {
+            cmd.stdout(std::process::Stdio::piped());
+        }
+    })?)
+}
+
+/// A one-rank communicator on GPU 0.
+pub fn one_rank(options: handoff::CommOptions) -> Result<(handoff::Device, handoff::Communicator), Failed> {
+    let dev = handoff::Device::new(0)?;
+    let comm = handoff::Communicator::init_all_with(std::slice::from_ref(&dev), options)?
+        .pop()
+        .ok_or("no communicator")?;
+    Ok((dev, comm))
 }
