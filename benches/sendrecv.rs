@@ -598,6 +598,8 @@ fn call_costs(s: &Setup) -> handoff::Result<()> {
         }
         Ok(t.elapsed().as_nanos() as f64 / f64::from(N))
     };
+    // Events belong to the device current at creation: the receiving stream's.
+    s.recv_s.device().set_current()?;
     let ev = handoff::result::event_create(false)?;
     let raw_s = s.recv_s.as_raw();
     // SAFETY: `ev` and the stream are live and of the same device.

@@ -1163,8 +1163,10 @@ impl<'a> Group<'a> {
         // as if the NCCL group operation was posted on every stream", NCCL's CUDA stream
         // semantics), so that event completes only after all of the communicator's operations,
         // whichever stream each was on; and later work on each op's own stream is ordered
-        // after it by that stream. Each use is recorded under its own stream.
-        for c in &comms {
+        // after it by that stream. Each use is recorded under its own stream. In reverse: the
+        // thread is still on the last operation's device (NCCL restores it), so with one
+        // communicator per device this switches devices once fewer.
+        for c in comms.iter().rev() {
             let mine = || self.ops.iter().filter(|o| std::ptr::eq(o.comm, *c));
             let first = mine()
                 .next()
