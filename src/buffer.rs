@@ -253,7 +253,9 @@ impl<T: Pod> DeviceBuffer<T> {
     /// CUDA errors. The memory is then leaked rather than freed while it may be in use.
     pub fn free(mut self) -> Result<()> {
         let r = self.release();
-        std::mem::forget(self);
+        // Released (or deliberately leaked): `Drop` must not free again, but still drops the
+        // tracker and the device handle.
+        self.len = 0;
         r
     }
 
