@@ -959,85 +959,33 @@ impl<'a> Group<'a> {
             let inbox = DeviceBuffer::<u64>::zeros(stream, WORDS)?;
             bufs.push((out, inbox));
         }
-        // The exchange itself. Its buffers are this function's own and used on one stream each,
-        // so no waits are needed before it; it is tracked after the group, like any transfer.
-        let started = Instant::now();
-        nc::group_start()?;
-        let mut failed = None;
+        // The exchange is a group of its own, enqueued by the same steps as any other, so it is
+        // tracked, waits for a non-blocking communicator to be ready before its events are
+        // recorded, and aborts the communicators on failure.
+        let mut exchange = Group {
+            ops: Vec::with_capacity(2 * pairs.len()),
+            _not_send: PhantomData,
+        };
         for ((comm, peer, stream, _), (out, inbox)) in pairs.iter().zip(bufs.iter_mut()) {
-            // SAFETY: live 8-word buffers of the communicator's device, written and read only
-            // here, on this stream; the peer is in range (checked when the op was added).
-            let rcs = unsafe {
-                nc::send(
-                    out.as_raw_ptr().cast(),
-                    WORDS,
-                    ncclDataType_t::ncclUint64,
-                    *peer as i32,
-                    comm.raw.get(),
-                    stream.as_raw(),
-                )
-                .and_then(|a| {
-                    nc::recv(
-                        inbox.as_raw_mut_ptr().cast(),
-                        WORDS,
-                        ncclDataType_t::ncclUint64,
-                        *peer as i32,
-                        comm.raw.get(),
-                        stream.as_raw(),
-                    )
-                    .map(|b| [a, b])
-                })
+            let header_op = |tracked, access, ptr| Op {
+                comm,
+                stream,
+                tracked,
+                access,
+                ptr,
+                count: WORDS,
+                dtype: u64::DATATYPE,
+                peer: *peer,
             };
-            match rcs {
-                Ok(rcs) => {
-                    if let Some(rc) = rcs
-                        .into_iter()
-                        .find(|rc| *rc != ncclResult_t::ncclSuccess && *rc != ncclResult_t::ncclInProgress)
-                    {
-                        failed = Some(nc::error("ncclSend/ncclRecv (checked-mode header)", rc));
-                        break;
-                    }
-                }
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
+            exchange.ops.push(header_op(
+                out.tracked(),
+                Access::Read,
+                out.as_raw_ptr().cast_mut().cast(),
+            ));
+            let ptr = inbox.as_raw_mut_ptr().cast();
+            exchange.ops.push(header_op(inbox.tracked(), Access::Write, ptr));
         }
-        let in_progress = nc::group_end().unwrap_or_else(|e| {
-            failed.get_or_insert(e);
-            false
-        });
-        // Track the exchange like any transfer, so that the buffers are freed only after it.
-        for ((_, _, stream, _), (out, inbox)) in pairs.iter().zip(&bufs) {
-            stream.device().set_current()?;
-            stream
-                .record_uses([(out.tracked(), Access::Read), (inbox.tracked(), Access::Write)].into_iter())?;
-        }
-        for (comm, ..) in &pairs {
-            if failed.is_some() {
-                break;
-            }
-            if in_progress {
-                // SAFETY: the communicator is live.
-                if let Err(e) = unsafe {
-                    nc::wait_ready(
-                        comm.raw.get(),
-                        "ncclGroupEnd (checked mode)",
-                        started,
-                        comm.timeout(),
-                    )
-                } {
-                    failed = Some(e);
-                }
-            }
-        }
-        if let Some(e) = failed {
-            for (comm, ..) in &pairs {
-                comm.break_with(&e);
-            }
-            return Err(e);
-        }
+        exchange.enqueue()?;
         let mut mismatches = Vec::new();
         for ((comm, peer, stream, mine), (_, inbox)) in pairs.iter().zip(&bufs) {
             // Bounded: a peer that never answers (dead, or without checked mode) is a timeout.
@@ -1063,6 +1011,12 @@ impl<'a> Group<'a> {
         }
         self.check_self_transfers()?;
         self.exchange_checks()?;
+        self.enqueue()
+    }
+
+    /// Queues the operations, checked already: waits for conflicting uses, the NCCL group,
+    /// readiness of non-blocking communicators, then the tracking events.
+    fn enqueue(&self) -> Result<()> {
         // Distinct communicators, in first-use order (few: a linear scan is fine).
         let mut comms: Vec<&Communicator> = Vec::new();
         for op in &self.ops {
