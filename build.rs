@@ -85,6 +85,7 @@ const NCCL_FUNCTIONS: &[&str] = &[
     "ncclRecv",
     "ncclGroupStart",
     "ncclGroupEnd",
+    "ncclAllGather",
 ];
 
 fn main() {

@@ -51,10 +51,7 @@ struct Opts {
 
 impl Opts {
     fn comm_options(&self) -> CommOptions {
-        CommOptions {
-            blocking: !self.nonblocking,
-            ..CommOptions::default()
-        }
+        CommOptions::default().with_blocking(!self.nonblocking)
     }
 }
 
@@ -202,7 +199,10 @@ enum Role {
 }
 
 struct Setup {
+    /// Verified (the default).
     comms: Vec<Communicator>,
+    /// The same ranks again, unverified: the cost of verification is the difference.
+    unverified: Vec<Communicator>,
     /// Index in `comms` of the sender and receiver (both 0 in self mode; in procs mode the one
     /// communicator of this process).
     send: usize,
@@ -217,6 +217,8 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
     match (o.mode, launch) {
         (Mode::Procs, Some(l)) => {
             let comm = l.communicator(o.comm_options())?;
+            // SAFETY: both ranks run this benchmark, which posts matching sends and receives.
+            let unverified = vec![l.communicator(unsafe { o.comm_options().unverified() })?];
             let role = if comm.rank() == 0 {
                 Role::Sender
             } else {
@@ -226,6 +228,7 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
             let label = format!("two processes, GPUs {:?}, through the bootstrap", o.devices);
             Ok(Setup {
                 comms: vec![comm],
+                unverified,
                 send: 0,
                 recv: 0,
                 send_s,
@@ -237,6 +240,10 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
         (Mode::SelfRank, _) => {
             let d = Device::new(o.devices[0])?;
             let comms = Communicator::init_all_with(std::slice::from_ref(&d), o.comm_options())?;
+            // SAFETY: the benchmark's sends and receives match.
+            let unverified = Communicator::init_all_with(std::slice::from_ref(&d), unsafe {
+                o.comm_options().unverified()
+            })?;
             let label = format!(
                 "one rank sending to itself on GPU {} ({})",
                 o.devices[0],
@@ -244,6 +251,7 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
             );
             Ok(Setup {
                 comms,
+                unverified,
                 send: 0,
                 recv: 0,
                 send_s: Stream::new(&d)?,
@@ -255,12 +263,15 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
         _ => {
             let devs = [Device::new(o.devices[0])?, Device::new(o.devices[1])?];
             let comms = Communicator::init_all_with(&devs, o.comm_options())?;
+            // SAFETY: the benchmark's sends and receives match.
+            let unverified = Communicator::init_all_with(&devs, unsafe { o.comm_options().unverified() })?;
             let label = format!(
                 "two ranks in one process, GPU {} -> GPU {}",
                 o.devices[0], o.devices[1]
             );
             Ok(Setup {
                 comms,
+                unverified,
                 send: 0,
                 recv: 1,
                 send_s: Stream::new(&devs[0])?,
@@ -278,6 +289,9 @@ struct Bufs<T: NcclType> {
 }
 
 impl Setup {
+    fn comms(&self, verified: bool) -> &[Communicator] {
+        if verified { &self.comms } else { &self.unverified }
+    }
     fn sender(&self) -> &Communicator {
         &self.comms[self.send]
     }
@@ -293,31 +307,16 @@ impl Setup {
         }
     }
 
-    /// One send+receive of `count` elements through the safe API.
-    fn safe<T: NcclType>(&self, b: &mut Bufs<T>, count: usize) -> handoff::Result<()> {
+    /// One send+receive of `count` elements through the safe API, verified or not.
+    fn safe<T: NcclType>(&self, b: &mut Bufs<T>, count: usize, verified: bool) -> handoff::Result<()> {
         let (send_peer, recv_peer) = (self.receiver().rank(), self.sender().rank());
+        let (sender, receiver) = (&self.comms(verified)[self.send], &self.comms(verified)[self.recv]);
         match self.role {
-            Role::Sender => self
-                .sender()
-                .send_range(b.x.as_ref().unwrap(), 0..count, 1, &self.send_s),
-            Role::Receiver => self
-                .receiver()
-                .recv_range(b.y.as_mut().unwrap(), 0..count, 0, &self.recv_s),
+            Role::Sender => sender.send_range(b.x.as_ref().unwrap(), 0..count, 1, &self.send_s),
+            Role::Receiver => receiver.recv_range(b.y.as_mut().unwrap(), 0..count, 0, &self.recv_s),
             Role::Both => group(|g| {
-                g.send_range(
-                    self.sender(),
-                    b.x.as_ref().unwrap(),
-                    0..count,
-                    send_peer,
-                    &self.send_s,
-                )?;
-                g.recv_range(
-                    self.receiver(),
-                    b.y.as_mut().unwrap(),
-                    0..count,
-                    recv_peer,
-                    &self.recv_s,
-                )
+                g.send_range(sender, b.x.as_ref().unwrap(), 0..count, send_peer, &self.send_s)?;
+                g.recv_range(receiver, b.y.as_mut().unwrap(), 0..count, recv_peer, &self.recv_s)
             }),
         }
     }
@@ -389,8 +388,21 @@ impl Setup {
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Way {
-    Safe,
-    Raw,
+    Verified = 0,
+    Unverified = 1,
+    Raw = 2,
+}
+
+const WAYS: [Way; 3] = [Way::Verified, Way::Unverified, Way::Raw];
+
+impl Setup {
+    fn call<T: NcclType>(&self, way: Way, b: &mut Bufs<T>, count: usize) -> handoff::Result<()> {
+        match way {
+            Way::Verified => self.safe(b, count, true),
+            Way::Unverified => self.safe(b, count, false),
+            Way::Raw => self.raw(b, count),
+        }
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -401,8 +413,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 struct Row {
     bytes: usize,
     count: usize,
-    safe_us: f64,
-    raw_us: f64,
+    /// Median time per transfer, indexed by `Way`.
+    us: [f64; 3],
 }
 
 fn pattern<T: NcclType>(n: usize) -> Vec<T> {
@@ -431,7 +443,7 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
     if reports {
         println!("# handoff send/recv benchmark: {}", s.label);
         println!(
-            "# dtype {} | iters {} | warmup {} | repeats {} (median reported) | alternating safe and raw | {} communicator",
+            "# dtype {} | iters {} | warmup {} | repeats {} (median reported) | rotating verified, unverified and raw | {} communicator",
             o.dtype,
             o.iters,
             o.warmup,
@@ -439,18 +451,20 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
             if o.nonblocking { "non-blocking" } else { "blocking" }
         );
         println!(
-            "#{:>11} {:>12} {:>5} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>8} {:>9}",
+            "#{:>11} {:>12} {:>5} | {:>10} {:>8} | {:>10} {:>8} | {:>10} {:>8} | {:>8} {:>8} {:>9} {:>9}",
             "size(B)",
             "count",
             "type",
-            "time(us)",
-            "algbw",
+            "verif(us)",
+            "busbw",
+            "unver(us)",
             "busbw",
             "raw(us)",
-            "algbw",
             "busbw",
-            "ratio",
-            "diff(us)"
+            "ver/raw",
+            "unv/raw",
+            "v-raw(us)",
+            "v-unv(us)"
         );
     }
     let mut rows = Vec::new();
@@ -458,38 +472,30 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
     while bytes <= o.max_bytes {
         let count = bytes / size;
         let ts = s.timing_stream();
-        let mut times = [Vec::new(), Vec::new()];
-        for way in [Way::Safe, Way::Raw] {
+        let mut times = [Vec::new(), Vec::new(), Vec::new()];
+        for way in WAYS {
             for _ in 0..o.warmup {
-                if way == Way::Safe {
-                    s.safe(&mut b, count)?
-                } else {
-                    s.raw(&mut b, count)?
-                }
+                s.call(way, &mut b, count)?;
             }
         }
-        for r in 0..2 * o.repeats {
-            let way = if r % 2 == 0 { Way::Safe } else { Way::Raw };
+        for r in 0..3 * o.repeats {
+            let way = WAYS[r % 3];
             ts.record(&start)?;
             if s.role == Role::Both && s.send != s.recv {
                 s.send_s.wait(&start)?;
             }
             for _ in 0..o.iters {
-                if way == Way::Safe {
-                    s.safe(&mut b, count)?
-                } else {
-                    s.raw(&mut b, count)?
-                }
+                s.call(way, &mut b, count)?;
             }
             ts.record(&end)?;
             end.synchronize()?;
-            times[r % 2].push(f64::from(start.elapsed_ms(&end)?) * 1000.0 / o.iters as f64);
+            times[way as usize].push(f64::from(start.elapsed_ms(&end)?) * 1000.0 / o.iters as f64);
         }
         // Check the data once per size, outside the timed loops: clear y, one safe transfer.
         if let Some(y) = b.y.as_mut() {
             y.memset_zero(&s.recv_s)?;
         }
-        s.safe(&mut b, count)?;
+        s.safe(&mut b, count, true)?;
         if let Some(y) = b.y.as_ref() {
             let got = y.to_vec(&s.recv_s)?;
             if got[..count] != host_x[..count] {
@@ -502,24 +508,26 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
         let row = Row {
             bytes,
             count,
-            safe_us: median(times[0].clone()),
-            raw_us: median(times[1].clone()),
+            us: times.map(median),
         };
         if reports {
             let bw = |us: f64| bytes as f64 / us / 1000.0; // GB/s
+            let [v, u, r] = row.us;
             println!(
-                "{:>12} {:>12} {:>5} | {:>10.2} {:>8.2} {:>8.2} | {:>10.2} {:>8.2} {:>8.2} | {:>8.4} {:>9.2}",
+                "{:>12} {:>12} {:>5} | {:>10.2} {:>8.2} | {:>10.2} {:>8.2} | {:>10.2} {:>8.2} | {:>8.4} {:>8.4} {:>9.2} {:>9.2}",
                 bytes,
                 count,
                 o.dtype,
-                row.safe_us,
-                bw(row.safe_us),
-                bw(row.safe_us),
-                row.raw_us,
-                bw(row.raw_us),
-                bw(row.raw_us),
-                row.safe_us / row.raw_us,
-                row.safe_us - row.raw_us
+                v,
+                bw(v),
+                u,
+                bw(u),
+                r,
+                bw(r),
+                v / r,
+                u / r,
+                v - r,
+                v - u
             );
         }
         rows.push(row);
@@ -536,14 +544,13 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
         call_costs(&s)?;
     }
     if reports {
-        if let Some((safe_ns, raw_ns)) = overhead {
+        if let Some([v, u, r]) = overhead {
             println!(
-                "# host overhead, {} calls of one send+receive of {} B each (enqueue only, GPU waited for outside the timing): safe {:.0} ns, raw {:.0} ns, difference {:.0} ns per call",
+                "# host overhead, {} calls of one send+receive of {} B each (enqueue only, GPU waited for outside the timing): verified {v:.0} ns, unverified {u:.0} ns, raw {r:.0} ns; verified - raw {:.0} ns, verified - unverified {:.0} ns per call",
                 o.overhead_calls,
                 size,
-                safe_ns,
-                raw_ns,
-                safe_ns - raw_ns
+                v - r,
+                v - u
             );
         }
         write_csv(o, &rows)
@@ -555,7 +562,7 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
     s.send_s.synchronize()?;
     s.recv_s.synchronize()?;
     drop(b);
-    for c in s.comms {
+    for c in s.comms.into_iter().chain(s.unverified) {
         c.finalize()?;
     }
     Ok(())
@@ -564,27 +571,23 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
 /// CPU time to enqueue one send+receive (one element), safe and raw: batches of 100 calls,
 /// the GPU waited for between batches, outside the timing. Median of the batches. Not in procs
 /// mode, where each process enqueues only half of the pair.
-fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::Result<Option<(f64, f64)>> {
+fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::Result<Option<[f64; 3]>> {
     if s.role != Role::Both || o.overhead_calls == 0 {
         return Ok(None);
     }
     const BATCH: usize = 100;
-    let mut ns = [Vec::new(), Vec::new()];
-    for r in 0..2 * o.overhead_calls.div_ceil(BATCH) {
-        let way = if r % 2 == 0 { Way::Safe } else { Way::Raw };
+    let mut ns = [Vec::new(), Vec::new(), Vec::new()];
+    for r in 0..3 * o.overhead_calls.div_ceil(BATCH) {
+        let way = WAYS[r % 3];
         let t = Instant::now();
         for _ in 0..BATCH {
-            if way == Way::Safe {
-                s.safe(b, 1)?
-            } else {
-                s.raw(b, 1)?
-            }
+            s.call(way, b, 1)?;
         }
-        ns[r % 2].push(t.elapsed().as_nanos() as f64 / BATCH as f64);
+        ns[way as usize].push(t.elapsed().as_nanos() as f64 / BATCH as f64);
         s.send_s.synchronize()?;
         s.recv_s.synchronize()?;
     }
-    Ok(Some((median(ns[0].clone()), median(ns[1].clone()))))
+    Ok(Some(ns.map(median)))
 }
 
 /// What the calls that tracking adds cost on the host, each timed over many calls: for finding
@@ -624,20 +627,23 @@ fn call_costs(s: &Setup) -> handoff::Result<()> {
 }
 
 fn write_csv(o: &Opts, rows: &[Row]) -> std::io::Result<()> {
-    let mut out =
-        String::from("bytes,count,dtype,handoff_us,raw_us,handoff_busbw_gbps,raw_busbw_gbps,ratio\n");
+    let mut out = String::from(
+        "bytes,count,dtype,verified_us,unverified_us,raw_us,verified_busbw_gbps,unverified_busbw_gbps,raw_busbw_gbps,verified_ratio,unverified_ratio\n",
+    );
     for r in rows {
+        let bw = |us: f64| r.bytes as f64 / us / 1000.0;
+        let [v, u, raw] = r.us;
         let _ = writeln!(
             out,
-            "{},{},{},{:.3},{:.3},{:.3},{:.3},{:.5}",
+            "{},{},{},{v:.3},{u:.3},{raw:.3},{:.3},{:.3},{:.3},{:.5},{:.5}",
             r.bytes,
             r.count,
             o.dtype,
-            r.safe_us,
-            r.raw_us,
-            r.bytes as f64 / r.safe_us / 1000.0,
-            r.bytes as f64 / r.raw_us / 1000.0,
-            r.safe_us / r.raw_us
+            bw(v),
+            bw(u),
+            bw(raw),
+            v / raw,
+            u / raw
         );
     }
     std::fs::write(&o.csv, out)
@@ -656,7 +662,7 @@ fn write_svg(o: &Opts, label: &str, rows: &[Row]) -> std::io::Result<()> {
     );
     let mut svg = format!(
         "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='12'>\n\
-         <rect width='100%' height='100%' fill='white'/>\n<text x='20' y='20' font-size='14'>handoff send/recv ({} {}): safe API vs raw NCCL</text>\n",
+         <rect width='100%' height='100%' fill='white'/>\n<text x='20' y='20' font-size='14'>handoff send/recv ({} {}): handoff verified and unverified vs raw NCCL</text>\n",
         2.0 * w,
         h + 40.0,
         label,
@@ -665,20 +671,18 @@ fn write_svg(o: &Opts, label: &str, rows: &[Row]) -> std::io::Result<()> {
     let panels: [(&str, Metric); 2] = [
         (
             "bus bandwidth (GB/s, log)",
-            Box::new(|r: &Row, way| {
-                r.bytes as f64 / if way == Way::Safe { r.safe_us } else { r.raw_us } / 1000.0
-            }),
+            Box::new(|r: &Row, way| r.bytes as f64 / r.us[way as usize] / 1000.0),
         ),
         (
             "time per transfer (us, log)",
-            Box::new(|r: &Row, way| if way == Way::Safe { r.safe_us } else { r.raw_us }),
+            Box::new(|r: &Row, way| r.us[way as usize]),
         ),
     ];
     for (p, (title, f)) in panels.iter().enumerate() {
         let ox = p as f64 * w;
         let vals: Vec<f64> = rows
             .iter()
-            .flat_map(|r| [f(r, Way::Safe), f(r, Way::Raw)])
+            .flat_map(|r| WAYS.map(|w| f(r, w)))
             .filter(|v| *v > 0.0)
             .collect();
         let lo = vals.iter().copied().fold(f64::INFINITY, f64::min).log10().floor();
@@ -729,26 +733,26 @@ fn write_svg(o: &Opts, label: &str, rows: &[Row]) -> std::io::Result<()> {
                 );
             }
         }
-        for (way, color, name) in [
-            (Way::Raw, "#d62728", "raw NCCL"),
-            (Way::Safe, "#1f77b4", "handoff"),
+        for (way, color, name, ly) in [
+            (Way::Raw, "#d62728", "raw NCCL", 95.0),
+            (Way::Unverified, "#2ca02c", "handoff unverified", 80.0),
+            (Way::Verified, "#1f77b4", "handoff verified", 65.0),
         ] {
             let pts: Vec<String> = rows
                 .iter()
                 .zip(&xs)
                 .map(|(r, &x)| format!("{:.1},{:.1}", px(x), py(f(r, way))))
                 .collect();
-            let dash = if way == Way::Safe {
-                " stroke-dasharray='6 3'"
-            } else {
-                ""
+            let dash = match way {
+                Way::Verified => " stroke-dasharray='6 3'",
+                Way::Unverified => " stroke-dasharray='2 2'",
+                Way::Raw => "",
             };
             let _ = writeln!(
                 svg,
                 "<polyline fill='none' stroke='{color}' stroke-width='2'{dash} points='{}'/>",
                 pts.join(" ")
             );
-            let ly = if way == Way::Safe { 65.0 } else { 80.0 };
             let _ = writeln!(
                 svg,
                 "<text x='{}' y='{ly}' fill='{color}'>{name}</text>",

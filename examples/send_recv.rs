@@ -89,10 +89,7 @@ fn check(round: u32, y: &[f32]) -> handoff::Result<()> {
 
 /// One rank of the two-process run.
 fn run_rank(launch: &Launch) -> handoff::Result<()> {
-    let comm = launch.communicator(CommOptions {
-        timeout: TIMEOUT,
-        ..Default::default()
-    })?;
+    let comm = launch.communicator(CommOptions::default().with_timeout(TIMEOUT))?;
     let gpu = comm.device();
     let who = format!(
         "[rank {} of {} | pid {} | GPU {} {}]",

@@ -22,9 +22,9 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::comm::{CommOptions, Communicator, UniqueId};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::nccl::{CommOptions, Communicator, UniqueId};
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u8 = 1;
@@ -157,7 +157,7 @@ impl Launch {
     /// `local_rank` is not a visible GPU.
     pub fn communicator(&self, options: CommOptions) -> Result<Communicator> {
         let device = Device::new(self.local_rank)?;
-        let (id, server) = self.unique_id(options.timeout)?;
+        let (id, server) = self.unique_id(options.timeout())?;
         let comm = Communicator::with_options(&device, self.world_size, self.rank, &id, options)?;
         if let Some(server) = server {
             // Every rank has joined the communicator, so every rank has fetched the id.

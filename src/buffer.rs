@@ -6,9 +6,10 @@ use std::marker::PhantomData;
 use bytemuck::Pod;
 
 use crate::device::Device;
+use crate::engine::Tracked;
 use crate::error::{Error, Result};
 use crate::result as cu;
-use crate::stream::{Stream, Tracked};
+use crate::stream::Stream;
 use crate::sys::cudart::cudaMemcpyKind;
 use crate::tracking::Access;
 
@@ -16,7 +17,7 @@ use crate::tracking::Access;
 ///
 /// Every stream operation on the buffer (kernel launch, copy, send, receive) is tracked: it first
 /// makes its stream wait, on the GPU, for the earlier uses it conflicts with on other streams,
-/// then records itself (see [`crate::tracking`]). So no sequence of safe calls lets the GPU read
+/// then records itself (see the crate's "Soundness" section). So no sequence of safe calls lets the GPU read
 /// the buffer while it is being overwritten, or write it while another operation still reads it.
 ///
 /// Memory comes from the device's stream-ordered pool (`cudaMallocAsync`). Dropping the buffer
@@ -159,16 +160,19 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 
     /// Copies the buffer to a new host vector, on `stream`, after the last write to it. Blocks
-    /// until the copy has completed.
+    /// until the copy has completed; never forever behind an NCCL receive (see
+    /// [`Stream::synchronize`]).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `stream` is on another device; CUDA errors, including a
-    /// fault in a kernel that wrote the buffer.
+    /// fault in a kernel that wrote the buffer; [`Error::CommunicatorUnusable`] when the last
+    /// write was an NCCL receive cut short by its communicator's abort.
     pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
         let mut out: Vec<T> = Vec::with_capacity(self.len);
         let bytes = self.byte_len();
         let src = self.ptr.cast::<c_void>().cast_const();
         let dst = out.as_mut_ptr().cast::<c_void>();
+        let written_by = self.tracked.lock().last_write().cloned();
         stream.enqueue(&[(&self.tracked, Access::Read)], |s| {
             if bytes == 0 {
                 return Ok(());
@@ -177,11 +181,14 @@ impl<T: Pod> DeviceBuffer<T> {
             // completes (below; on failure it is leaked); the stream waits for the last write.
             unsafe { cu::memcpy_async(dst, src, bytes, cudaMemcpyKind::cudaMemcpyDeviceToHost, s) }
         })?;
-        if let Err(e) = stream.synchronize() {
+        // SAFETY: the handle is live for as long as `stream`.
+        if let Err(e) = unsafe { cu::stream_synchronize(stream.as_raw()) } {
             // The copy may still write into `out` later: never free that memory.
             std::mem::forget(out);
             return Err(e);
         }
+        // The copy has completed; its source may have been a receive that an abort cut short.
+        crate::stream::check_poison(written_by.as_deref())?;
         // SAFETY: the copy above wrote all `len` elements, and any bit pattern is a valid `T`.
         unsafe { out.set_len(self.len) };
         Ok(out)

@@ -77,6 +77,21 @@ impl Drop for DeviceInner {
 pub(crate) struct PooledEvent {
     pub(crate) raw: cudaEvent_t,
     device: Arc<DeviceInner>,
+    /// Set when the work this event follows was cut short: an NCCL operation whose
+    /// communicator was aborted before it completed. Host reads that waited for it report it.
+    poison: OnceCell<String>,
+}
+
+impl PooledEvent {
+    /// Marks the work before this event as cut short, for `reason`.
+    pub(crate) fn poison(&self, reason: &str) {
+        let _ = self.poison.set(reason.to_string());
+    }
+
+    /// Why the work before this event was cut short, if it was.
+    pub(crate) fn poisoned(&self) -> Option<&str> {
+        self.poison.get().map(String::as_str)
+    }
 }
 
 // SAFETY: CUDA event handles may be used from any thread.
@@ -205,6 +220,7 @@ impl Device {
         Ok(Arc::new(PooledEvent {
             raw,
             device: self.inner.clone(),
+            poison: OnceCell::new(),
         }))
     }
 }

@@ -100,14 +100,33 @@ pub enum Error {
         reason: String,
     },
 
-    /// Checked mode found that a send and its receive disagree (count, type, or order). Both
-    /// ranks return this, and neither transferred anything; the communicator stays usable.
+    /// Verification found that a send and its receive disagree (count or type, in the order
+    /// posted). Both ranks return this, and neither transferred anything; the communicators are
+    /// aborted, as what each published can no longer be matched in order.
     #[error(
         "send/receive mismatch: {detail}. Both ranks must post matching sends and receives \
          (same peer, element count and type, in the same order); nothing was transferred"
     )]
     Mismatch {
         /// Both sides' values.
+        detail: String,
+    },
+
+    /// A rank's peer broke its communicator (an error, a missed deadline, an abort) while this
+    /// rank waited to verify an operation with it. This rank's communicator is aborted too.
+    #[error(
+        "rank {peer}'s communicator broke (an error, a timeout or an abort there) while this rank          waited to verify an operation with it; this communicator is aborted too. Create new          communicators on every rank"
+    )]
+    PeerBroken {
+        /// The peer's rank.
+        peer: usize,
+    },
+
+    /// Setting up a communicator's verification failed: the ranks disagree on it, or cannot
+    /// reach each other's mailboxes. Every rank gets this; the communicator is aborted.
+    #[error("setting up the communicator failed: {detail}")]
+    Setup {
+        /// What went wrong, and what to do.
         detail: String,
     },
 

@@ -3,10 +3,11 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::device::{Device, PooledEvent};
+use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::result as cu;
 use crate::sys::cudart::{cudaEvent_t, cudaStream_t};
-use crate::tracking::{Access, StreamId, UseTracker};
+use crate::tracking::{Access, RecordOrder, StreamId};
 
 /// A CUDA stream: a queue of GPU work that runs in order.
 ///
@@ -21,6 +22,16 @@ pub struct Stream {
     raw: cudaStream_t,
     id: StreamId,
     device: Device,
+    /// Serialises recording tracking events here with storing them (see [`RecordOrder`]).
+    order: RecordOrder,
+    /// The newest tracking event recorded here, and the newest after an NCCL operation.
+    last: Mutex<Last>,
+}
+
+#[derive(Default)]
+struct Last {
+    any: Option<Arc<PooledEvent>>,
+    nccl: Option<Arc<PooledEvent>>,
 }
 
 // SAFETY: CUDA streams may be used from any host thread; the runtime serialises access.
@@ -45,27 +56,6 @@ impl Drop for Stream {
     }
 }
 
-/// The pending uses of one piece of device memory, and the device it lives on.
-pub(crate) struct Tracked {
-    device: Device,
-    uses: Mutex<UseTracker<Arc<PooledEvent>>>,
-}
-
-impl Tracked {
-    pub(crate) fn new(device: &Device) -> Tracked {
-        Tracked {
-            device: device.clone(),
-            uses: Mutex::new(UseTracker::new()),
-        }
-    }
-
-    pub(crate) fn lock(&self) -> MutexGuard<'_, UseTracker<Arc<PooledEvent>>> {
-        // A panic while holding the lock cannot leave the tracker half-updated in a way that
-        // loses a use (each method updates it in one step), so a poisoned lock is still usable.
-        self.uses.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
 impl Stream {
     /// A new stream on `device`.
     ///
@@ -77,6 +67,8 @@ impl Stream {
             raw,
             id: StreamId::fresh(),
             device: device.clone(),
+            order: RecordOrder::default(),
+            last: Mutex::default(),
         })
     }
 
@@ -93,11 +85,36 @@ impl Stream {
 
     /// Blocks the host until all work queued so far on this stream has completed.
     ///
+    /// Never waits forever behind an NCCL operation: a communicator's watchdog aborts one that
+    /// misses its deadline, and this then returns [`Error::CommunicatorUnusable`] naming it.
+    ///
     /// # Errors
-    /// CUDA errors, including a fault in earlier work.
+    /// CUDA errors, including a fault in earlier work; [`Error::CommunicatorUnusable`] when the
+    /// last NCCL operation queued here was cut short by its communicator's abort.
     pub fn synchronize(&self) -> Result<()> {
+        let nccl = self.last().nccl.clone();
         // SAFETY: the handle is live for as long as `self`.
-        unsafe { cu::stream_synchronize(self.raw) }
+        unsafe { cu::stream_synchronize(self.raw) }?;
+        check_poison(nccl.as_deref())
+    }
+
+    fn last(&self) -> MutexGuard<'_, Last> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Remembers `event` as the newest recorded here (`nccl`: after an NCCL operation). Called
+    /// under [`RecordOrder`], so the newest stays newest.
+    pub(crate) fn note_recorded(&self, event: &Arc<PooledEvent>, nccl: bool) {
+        let mut last = self.last();
+        last.any = Some(event.clone());
+        if nccl {
+            last.nccl = Some(event.clone());
+        }
+    }
+
+    /// The newest tracking event recorded here: work queued now starts after it completes.
+    pub(crate) fn last_recorded(&self) -> Option<Arc<PooledEvent>> {
+        self.last().any.clone()
     }
 
     /// True when all work queued so far has completed; does not block.
@@ -145,24 +162,42 @@ impl Stream {
         self.id
     }
 
-    /// Queues one operation that uses the given memory, safely:
-    /// 1. makes this stream wait for every earlier conflicting use (see [`crate::tracking`]);
-    /// 2. runs `op`, which queues the work on the raw stream;
-    /// 3. records one event after it and registers it with every tracker.
+    pub(crate) fn order(&self) -> &RecordOrder {
+        &self.order
+    }
+
+    /// Queues one operation on this stream that uses the given memory, through the crate's one
+    /// tracked path ([`crate::engine`]): waits for conflicting earlier uses, runs `op` (which
+    /// queues the work on the raw stream), records the uses.
     pub(crate) fn enqueue<R>(
         &self,
         uses: &[(&Tracked, Access)],
         op: impl FnOnce(cudaStream_t) -> Result<R>,
     ) -> Result<R> {
-        for (t, access) in uses {
-            self.check_tracked(t, *access)?;
+        let uses: Vec<TrackedUse<'_>> = uses
+            .iter()
+            .map(|&(tracked, access)| TrackedUse {
+                stream: self,
+                tracked,
+                access,
+            })
+            .collect();
+        engine::check_devices(&uses)?;
+        if !uses.is_empty() {
+            return engine::enqueue(&uses, false, |_| op(self.raw), |_, _| {});
         }
+        // Work that touches no buffer: nothing to track, but later work on this stream starts
+        // only after it, which a communicator's watchdog must know (its deadline for an
+        // operation counts from the stream's previous work completing).
         self.device.set_current()?;
-        for (t, access) in uses {
-            self.wait_for_conflicts(t, *access)?;
-        }
         let out = op(self.raw)?;
-        self.record_uses(uses.iter().copied())?;
+        let recorded = self
+            .order
+            .record_and_store(|| self.record_event(), |e| self.note_recorded(e, false));
+        if recorded.is_err() {
+            // Without the event, wait for the work instead, as the engine does.
+            self.synchronize()?;
+        }
         Ok(out)
     }
 
@@ -186,36 +221,22 @@ impl Stream {
         Ok(())
     }
 
-    /// Records one event here, after the work just queued, and registers it as the latest use
-    /// of each tracker. If recording fails, the host waits for the stream instead, so no
-    /// untracked use is left pending (`Ok(None)`); if even that fails, the error is returned
-    /// (the device is then in CUDA's sticky error state, where no further work runs).
-    pub(crate) fn record_uses<'t>(
-        &self,
-        uses: impl Iterator<Item = (&'t Tracked, Access)> + Clone,
-    ) -> Result<Option<Arc<PooledEvent>>> {
-        if uses.clone().next().is_none() {
-            return Ok(None);
-        }
-        match self.record_event() {
-            Ok(event) => {
-                for (t, access) in uses {
-                    t.lock().record(self.id, access, event.clone());
-                }
-                Ok(Some(event))
-            }
-            // The work is queued but untracked. Once it has completed it needs no tracking,
-            // and the trackers' older entries stay correct.
-            Err(_) => self.synchronize().map(|()| None),
-        }
-    }
-
     /// A pooled event recorded here now.
     pub(crate) fn record_event(&self) -> Result<Arc<PooledEvent>> {
         let event = self.device.take_event()?;
         // SAFETY: both handles are live and of the same device.
         unsafe { cu::event_record(event.raw, self.raw)? };
         Ok(event)
+    }
+}
+
+/// Ok unless the work before `event` was an NCCL operation cut short by an abort.
+pub(crate) fn check_poison(event: Option<&PooledEvent>) -> Result<()> {
+    match event.and_then(PooledEvent::poisoned) {
+        Some(reason) => Err(Error::CommunicatorUnusable {
+            reason: format!("an NCCL operation this wait depends on did not complete: {reason}"),
+        }),
+        None => Ok(()),
     }
 }
 

@@ -129,15 +129,9 @@ impl<E> UseTracker<E> {
         if BYPASSED { Vec::new() } else { all }
     }
 
-    /// The events a host read must wait for: the last write only.
-    pub fn last_write(&self) -> Option<&Use<E>> {
-        self.write.as_ref().filter(|_| !BYPASSED)
-    }
-
-    /// Forgets every use: for when the host has seen them all complete.
-    pub fn clear(&mut self) {
-        self.write = None;
-        self.reads.clear();
+    /// The last write's event, if it is pending.
+    pub fn last_write(&self) -> Option<&E> {
+        self.write.as_ref().map(|u| &u.event)
     }
 
     /// Every pending use, write first.
@@ -146,8 +140,38 @@ impl<E> UseTracker<E> {
     }
 
     /// True when no use is pending.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.write.is_none() && self.reads.is_empty()
+    }
+}
+
+/// Serialises, per stream, "record an event after the work just queued" with "store that event
+/// in the trackers", so that of two uses on one stream the one recorded later is always stored
+/// later: a tracker's read slot for a stream then always holds that stream's newest event, which
+/// completes only after every earlier use there.
+///
+/// Without it, two threads sharing a stream can interleave as: T1 records E1, T2 records E2 and
+/// stores it, T1 stores E1 over it. The slot then holds E1, which does not cover T2's use, and a
+/// later write on another stream waits for E1 alone (issue 9, hole 5).
+#[derive(Debug, Default)]
+pub(crate) struct RecordOrder {
+    lock: std::sync::Mutex<()>,
+}
+
+impl RecordOrder {
+    /// Runs `record`, then `store` with what it returned, with no other `record_and_store` of
+    /// this stream in between.
+    pub(crate) fn record_and_store<E, X>(
+        &self,
+        record: impl FnOnce() -> Result<E, X>,
+        store: impl FnOnce(&E),
+    ) -> Result<E, X> {
+        // A panic inside cannot leave anything half-done that the next caller relies on.
+        let _order = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let event = record()?;
+        store(&event);
+        Ok(event)
     }
 }
 
@@ -259,13 +283,43 @@ mod tests {
     }
 
     #[test]
-    fn host_read_waits_for_last_write_only() {
-        let mut t = UseTracker::new();
-        t.record(S1, Access::Write, "w1");
-        t.record(S2, Access::Read, "r2");
-        assert_eq!(t.last_write().map(|u| u.event), Some("w1"));
-        t.clear();
-        assert!(t.last_write().is_none() && t.is_empty());
+    fn newest_event_on_a_shared_stream_wins_whatever_the_interleaving() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        use std::sync::{Arc, Barrier, Mutex};
+        use std::time::Duration;
+        for _ in 0..10 {
+            let order = Arc::new(RecordOrder::default());
+            let tracker = Arc::new(Mutex::new(UseTracker::<u32>::new()));
+            // The stream: events are numbered in the order they are recorded.
+            let clock = Arc::new(AtomicU32::new(0));
+            let t1_recorded = Arc::new(Barrier::new(2));
+            let t1 = {
+                let (order, tracker, clock, sync) =
+                    (order.clone(), tracker.clone(), clock.clone(), t1_recorded.clone());
+                std::thread::spawn(move || {
+                    order.record_and_store(
+                        || {
+                            let e = clock.fetch_add(1, Ordering::SeqCst) + 1;
+                            sync.wait();
+                            // Held up between recording and storing.
+                            std::thread::sleep(Duration::from_millis(20));
+                            Ok::<u32, ()>(e)
+                        },
+                        |&e| tracker.lock().unwrap().record(S1, Access::Read, e),
+                    )
+                })
+            };
+            t1_recorded.wait();
+            order
+                .record_and_store(
+                    || Ok::<u32, ()>(clock.fetch_add(1, Ordering::SeqCst) + 1),
+                    |&e| tracker.lock().unwrap().record(S1, Access::Read, e),
+                )
+                .unwrap();
+            t1.join().unwrap().unwrap();
+            let kept: Vec<u32> = tracker.lock().unwrap().uses().map(|u| u.event).collect();
+            assert_eq!(kept, [2], "the read slot must hold the newest event (2)");
+        }
     }
 
     #[test]

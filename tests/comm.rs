@@ -380,10 +380,7 @@ fn two_processes_through_the_bootstrap() -> Result<(), Failed> {
 
 fn child_send_recv() -> Result<(), Failed> {
     let launch = Launch::from_env()?.ok_or("no launcher variables")?;
-    let comm = launch.communicator(CommOptions {
-        timeout: Duration::from_secs(60),
-        ..Default::default()
-    })?;
+    let comm = launch.communicator(CommOptions::default().with_timeout(Duration::from_secs(60)))?;
     let s = Stream::new(comm.device())?;
     let n = 4096;
     let mut x = DeviceBuffer::<f32>::zeros(&s, n)?;

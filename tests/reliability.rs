@@ -54,10 +54,7 @@ use common::one_rank;
 /// bound, the communicator aborted, later calls refused.
 fn unmatched_self_send() -> Result<(), Failed> {
     let timeout = Duration::from_secs(3);
-    let (dev, comm) = one_rank(CommOptions {
-        timeout,
-        ..CommOptions::default()
-    })?;
+    let (dev, comm) = one_rank(CommOptions::default().with_timeout(timeout))?;
     let s = Stream::new(&dev)?;
     let x = DeviceBuffer::from_slice(&s, &[1.0f32; 256])?;
     let mut y = DeviceBuffer::<f32>::zeros(&s, 256)?;
@@ -133,10 +130,7 @@ fn unmatched_self_send() -> Result<(), Failed> {
     // running a 6 s kernel returned after 6.03 s. So the bound is the longer of the two.
     let timeout = Duration::from_secs(1);
     let kernel = Duration::from_secs(3);
-    let (dev, comm) = one_rank(CommOptions {
-        timeout,
-        ..CommOptions::default()
-    })?;
+    let (dev, comm) = one_rank(CommOptions::default().with_timeout(timeout))?;
     let s = Stream::new(&dev)?;
     kernels::busy(&s, kernel)?;
     let t = Instant::now();
@@ -172,10 +166,7 @@ fn describe(rc: handoff::sys::nccl::ncclResult_t) -> String {
 /// Dropping a communicator whose transfer is still queued behind a long kernel waits for it
 /// (bounded), does not hang, and leaves the received data intact.
 fn drop_comm_with_pending_work() -> Result<(), Failed> {
-    let (dev, comm) = one_rank(CommOptions {
-        timeout: Duration::from_secs(10),
-        ..CommOptions::default()
-    })?;
+    let (dev, comm) = one_rank(CommOptions::default().with_timeout(Duration::from_secs(10)))?;
     let s = Stream::new(&dev)?;
     let x = DeviceBuffer::from_slice(&s, &[5u32; 4096])?;
     let mut y = DeviceBuffer::<u32>::zeros(&s, 4096)?;
@@ -312,10 +303,7 @@ fn dead_peer() -> Result<(), Failed> {
 
 fn child_dead_peer() -> Result<(), Failed> {
     let launch = Launch::from_env()?.ok_or("no launcher variables")?;
-    let comm = launch.communicator(CommOptions {
-        timeout: Duration::from_secs(10),
-        ..CommOptions::default()
-    })?;
+    let comm = launch.communicator(CommOptions::default().with_timeout(Duration::from_secs(10)))?;
     let s = Stream::new(comm.device())?;
     let mut x = DeviceBuffer::<f32>::zeros(&s, 1 << 16)?;
     for round in 0.. {
@@ -360,11 +348,7 @@ fn mismatch_across_processes(role: &str) -> Result<(), Failed> {
 
 fn child_mismatch(recv_count: usize, as_i32: bool) -> Result<(), Failed> {
     let launch = Launch::from_env()?.ok_or("no launcher variables")?;
-    let options = CommOptions {
-        timeout: Duration::from_secs(20),
-        checked: true,
-        ..CommOptions::default()
-    };
+    let options = CommOptions::default().with_timeout(Duration::from_secs(20));
     let comm = launch.communicator(options)?;
     let s = Stream::new(comm.device())?;
     let r = if comm.rank() == 0 {

@@ -1,10 +1,10 @@
 //! The checked layer over NCCL: one function per call, status codes to [`Error`]s carrying
 //! `ncclGetLastError`'s text.
 //!
-//! The crate makes every communicator *non-blocking* (`ncclConfig_t::blocking = 0`): calls may
-//! return `ncclInProgress`, and the caller then polls [`wait_ready`] until the communicator is
-//! ready, with a deadline. That is what lets a rank that never arrives, or a peer that died,
-//! become a timeout error instead of a hang.
+//! A non-blocking communicator (`ncclConfig_t::blocking = 0`) may answer `ncclInProgress`; the
+//! caller then polls [`wait_ready`] until it is ready, with a deadline. Functions whose misuse
+//! could break what the safe API guarantees (raw handles, pointers, an open group) are `unsafe`
+//! and say what they require.
 //!
 //! NVIDIA's reference: <https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/api.html>.
 
@@ -98,15 +98,28 @@ pub fn get_unique_id() -> Result<ncclUniqueId> {
 
 /// `ncclCommInitRankConfig` on the current device. With a non-blocking config it may return
 /// before the communicator is ready: then `Ok((comm, true))`, and [`wait_ready`] must follow.
-pub fn comm_init_rank(
+///
+/// # Safety
+/// `config` is a valid configuration (start from [`config_initializer`]): its `size`, `magic`
+/// and `version` describe this struct, and its `netName` and `commName` pointers are null or
+/// point to NUL-terminated strings that outlive the call. Called inside a raw group
+/// ([`group_start`]), the communicator is ready only after [`group_end`].
+///
+/// Not a safe call (issue 9, hole 4: the config carries raw pointers and a size):
+/// ```compile_fail
+/// let mut config = handoff::result::nccl::config_initializer();
+/// let id = handoff::result::nccl::get_unique_id().unwrap();
+/// let _ = handoff::result::nccl::comm_init_rank(1, &id, 0, &mut config);
+/// ```
+pub unsafe fn comm_init_rank(
     world: i32,
     id: &ncclUniqueId,
     rank: i32,
     config: &mut ncclConfig_t,
 ) -> Result<(ncclComm_t, bool)> {
     let mut comm = std::ptr::null_mut();
-    // SAFETY: writes the handle; the id is passed by value; the config is a valid, initialised
-    // struct (config_initializer) that NCCL reads during the call.
+    // SAFETY: writes the handle; the id is passed by value; the caller vouches for the config,
+    // which NCCL reads during the call.
     let rc = unsafe { lib()?.ncclCommInitRankConfig(&mut comm, world, *id, rank, config) };
     if rc == ncclResult_t::ncclInProgress {
         return Ok((comm, true));
@@ -211,14 +224,47 @@ pub unsafe fn comm_abort(comm: ncclComm_t) -> Result<()> {
     check("ncclCommAbort", unsafe { lib()?.ncclCommAbort(comm) })
 }
 
-/// `ncclGroupStart`.
-pub fn group_start() -> Result<()> {
+/// `ncclGroupStart`: operations issued on this thread until the matching [`group_end`] are
+/// queued by it, not before.
+///
+/// # Safety
+/// The group is ended on this thread by [`group_end`] before any of handoff's own calls that
+/// reach NCCL ([`Communicator`](crate::Communicator)'s operations, [`crate::group`], creating a
+/// communicator): inside an open raw group, handoff's `ncclGroupEnd` only closes a nested group
+/// and queues nothing, so the events it records to track its buffers would complete before the
+/// work they stand for, and a buffer could be read, rewritten or freed under a transfer.
+///
+/// ```no_run
+/// # fn main() -> handoff::Result<()> {
+/// use handoff::result::nccl::{group_end, group_start};
+/// // SAFETY: the group is closed on this thread before any of handoff's calls.
+/// unsafe {
+///     group_start()?;
+///     group_end()?;
+/// }
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Outside `unsafe` neither compiles (issue 9, hole 3: a safe raw group let tracking record its
+/// events before the transfers were queued):
+/// ```compile_fail
+/// handoff::result::nccl::group_start().unwrap();
+/// ```
+/// ```compile_fail
+/// handoff::result::nccl::group_end().unwrap();
+/// ```
+pub unsafe fn group_start() -> Result<()> {
     // SAFETY: no arguments; groups are per thread.
     check("ncclGroupStart", unsafe { lib()?.ncclGroupStart() })
 }
 
 /// `ncclGroupEnd`: `Ok(true)` when the group is still being enqueued (`ncclInProgress`).
-pub fn group_end() -> Result<bool> {
+///
+/// # Safety
+/// Ends a group this thread opened with [`group_start`]; ending one that handoff opened would
+/// queue its work before it records the events that track it.
+pub unsafe fn group_end() -> Result<bool> {
     // SAFETY: no arguments; ends this thread's group.
     let rc = unsafe { lib()?.ncclGroupEnd() };
     if rc == ncclResult_t::ncclInProgress {
@@ -259,6 +305,25 @@ pub unsafe fn recv(
 ) -> Result<ncclResult_t> {
     // SAFETY: the caller vouches for every argument.
     Ok(unsafe { lib()?.ncclRecv(buf, count, dtype, peer, comm, stream) })
+}
+
+/// `ncclAllGather`: each rank's `count` elements of `send`, in rank order, into every rank's
+/// `recv`.
+///
+/// # Safety
+/// `send` holds `count` elements and `recv` `count × world` elements of `dtype`, both device
+/// memory of `comm`'s device, neither written by anything else (nor `recv` read) until the
+/// operation completes on `stream`; every rank calls it with the same `count` and `dtype`.
+pub unsafe fn all_gather(
+    send: *const std::ffi::c_void,
+    recv: *mut std::ffi::c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> Result<ncclResult_t> {
+    // SAFETY: the caller vouches for every argument.
+    Ok(unsafe { lib()?.ncclAllGather(send, recv, count, dtype, comm, stream) })
 }
 
 #[cfg(test)]

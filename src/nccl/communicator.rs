@@ -1,0 +1,784 @@
+//! [`Communicator`]: one rank of an NCCL communicator, its creation (with the exchange that
+//! settles verification), its bounded waits, and its end.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::buffer::DeviceBuffer;
+use crate::device::{Device, PooledEvent};
+use crate::engine::{self, TrackedUse};
+use crate::error::{Error, Result};
+use crate::nccl::group::group;
+use crate::nccl::id::UniqueId;
+use crate::nccl::options::CommOptions;
+use crate::nccl::types::NcclType;
+use crate::nccl::verify::Mailboxes;
+use crate::nccl::verify::mailbox::{Region, mailbox_dir};
+use crate::nccl::verify::wire::{CARD_WORDS, Card, check_cards};
+use crate::nccl::watchdog;
+use crate::result::nccl as nc;
+use crate::stream::Stream;
+use crate::sys::nccl::{ncclComm_t, ncclResult_t};
+use crate::tracking::Access;
+
+/// One rank of an NCCL communicator, bound to one GPU.
+///
+/// # Verification
+/// By default ([`CommOptions::default`]) every send and receive is verified before it reaches
+/// NCCL: this rank and its peer each see the other's operation and compare element count and
+/// type, in the order issued, so a disagreement is [`Error::Mismatch`] on both ranks and
+/// nothing is transferred (see the crate's "Soundness" section). All ranks are created with
+/// the same setting, checked at creation.
+///
+/// # Bounded
+/// Every wait has a deadline ([`CommOptions::with_timeout`]): for a peer's counterpart, for
+/// [`Communicator::synchronize`], [`Communicator::wait_stream`], finalizing. A watchdog thread
+/// also watches the work this communicator queued: when an operation has not completed within
+/// the timeout of being queued (a peer died after posting, or never runs its side), or NCCL
+/// reports an error, it aborts the communicator (`ncclCommAbort`), which ends its kernels, so
+/// that every host wait on a stream stuck behind it returns. The timeout therefore has to be
+/// longer than the GPU work queued ahead of an operation on its stream. After an abort every
+/// call returns [`Error::CommunicatorUnusable`].
+///
+/// Dropping it waits (up to the timeout) for the operations it queued, then finalizes and
+/// destroys it, or aborts it: dropping never hangs on a peer.
+/// [`Communicator::finalize`] does the same and reports errors.
+///
+/// # Threads
+/// `Send` but not `Sync`: NCCL calls on one communicator must not run concurrently. Ranks made
+/// together by [`Communicator::init_all`] are driven by one thread, and their operations with
+/// each other go in one [`group`]; for one thread per GPU, make each rank with
+/// [`Communicator::new`] on its own thread.
+pub struct Communicator {
+    pub(crate) shared: Arc<Shared>,
+    device: Device,
+    rank: usize,
+    world: usize,
+    options: CommOptions,
+    /// The mailboxes of verification; `None` when unverified.
+    pub(crate) boxes: Option<Mailboxes>,
+    /// Identifies the ranks made together by one `init_all`.
+    pub(crate) clique: Option<Arc<()>>,
+    /// NCCL calls on one communicator must not run concurrently: not `Sync`.
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+/// What the communicator shares with the watchdog, behind one lock that every NCCL call on the
+/// communicator holds, so that the watchdog's abort never runs concurrently with one.
+pub(crate) struct Shared {
+    pub(crate) state: Mutex<State>,
+    pub(crate) rank: usize,
+    pub(crate) ordinal: i32,
+}
+
+pub(crate) struct State {
+    /// Null once aborted or destroyed.
+    pub(crate) raw: ncclComm_t,
+    /// Why the communicator is unusable, once it is.
+    pub(crate) broken: Option<String>,
+    /// Work queued and not yet seen complete, oldest first: an event after each group on each
+    /// stream, and when it was queued. NCCL runs a communicator's operations in order.
+    pub(crate) pending: VecDeque<Pending>,
+    pub(crate) timeout: Duration,
+    /// This rank's mailbox, marked broken with the communicator so that no peer waits for it.
+    pub(crate) mailbox: Option<Arc<Region>>,
+}
+
+pub(crate) struct Pending {
+    /// Recorded after the group on one of its streams.
+    pub(crate) event: Arc<PooledEvent>,
+    /// The stream's previous work: the group cannot start before it completes.
+    pub(crate) after: Option<Arc<PooledEvent>>,
+    pub(crate) queued: Instant,
+    /// When the watchdog first saw `after` complete: the group's deadline counts from here.
+    pub(crate) started: Option<Instant>,
+}
+
+// SAFETY: the NCCL handle is used only under the mutex; NCCL lets any thread use a communicator
+// as long as one at a time does.
+unsafe impl Send for State {}
+
+impl State {
+    /// Marks the communicator unusable and aborts it (`ncclCommAbort`), as NCCL requires after
+    /// an error; tells the peers through the mailbox. The caller holds the lock, so no other
+    /// NCCL call on the communicator runs meanwhile.
+    pub(crate) fn break_with(&mut self, reason: String, ordinal: i32) {
+        // Work still queued is cut short: host reads that wait for it report why.
+        for p in self.pending.drain(..) {
+            // SAFETY: the event is kept alive by the Arc.
+            if unsafe { crate::result::event_query(p.event.raw) } != Ok(true) {
+                p.event.poison(&reason);
+            }
+        }
+        self.broken.get_or_insert(reason);
+        if let Some(m) = &self.mailbox {
+            m.set_broken();
+        }
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        if !raw.is_null() && crate::result::set_device(ordinal).is_ok() {
+            // SAFETY: `raw` was live and is not used again (now null).
+            let _ = unsafe { nc::comm_abort(raw) };
+        }
+    }
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("device", &self.device.ordinal())
+            .field("options", &self.options)
+            .field("broken", &self.broken_reason())
+            .finish()
+    }
+}
+
+impl Communicator {
+    fn wrap(
+        raw: ncclComm_t,
+        device: &Device,
+        world: usize,
+        rank: usize,
+        options: CommOptions,
+    ) -> Communicator {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                raw,
+                broken: None,
+                pending: VecDeque::new(),
+                timeout: options.timeout(),
+                mailbox: None,
+            }),
+            rank,
+            ordinal: device.ordinal() as i32,
+        });
+        watchdog::watch(&shared);
+        Communicator {
+            shared,
+            device: device.clone(),
+            rank,
+            world,
+            options,
+            boxes: None,
+            clique: None,
+            _not_sync: PhantomData,
+        }
+    }
+
+    /// Rank `rank` of a communicator of `world` ranks, on `device`, with default
+    /// [`CommOptions`] (verified). Every rank calls this with the same `id`; it returns once all
+    /// have joined and agreed on verification.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for `world == 0` or `rank >= world`; NCCL errors (e.g. two
+    /// ranks on one GPU); [`Error::Setup`] when the ranks disagree on verification or cannot
+    /// reach each other's mailboxes.
+    pub fn new(device: &Device, world: usize, rank: usize, id: &UniqueId) -> Result<Communicator> {
+        Self::with_options(device, world, rank, id, CommOptions::default())
+    }
+
+    /// As [`Communicator::new`], with `options`. A non-blocking communicator fails with
+    /// [`Error::Timeout`] when the other ranks do not join within the timeout; a blocking one
+    /// waits for them as long as NCCL does.
+    ///
+    /// # Errors
+    /// As [`Communicator::new`], and [`Error::Timeout`].
+    pub fn with_options(
+        device: &Device,
+        world: usize,
+        rank: usize,
+        id: &UniqueId,
+        options: CommOptions,
+    ) -> Result<Communicator> {
+        check_world_rank(world, rank)?;
+        device.set_current()?;
+        let started = Instant::now();
+        let mut config = options.config();
+        // SAFETY: the config comes from `config_initializer` with only `blocking` changed; no
+        // raw group is open on this thread (`group_start` is unsafe, and requires its group be
+        // closed before handoff's calls).
+        let (raw, pending) =
+            unsafe { nc::comm_init_rank(world as i32, &id.raw(), rank as i32, &mut config) }?;
+        let mut comm = Communicator::wrap(raw, device, world, rank, options);
+        if pending {
+            // SAFETY: `raw` is the communicator just created.
+            let r = unsafe { nc::wait_ready(raw, "ncclCommInitRankConfig", started, options.timeout()) };
+            comm.fail_on(r)?;
+        }
+        let r = comm.settle_verification();
+        comm.fail_on(r)?;
+        Ok(comm)
+    }
+
+    /// One communicator over all of `devices`, all in this process: rank `i` on `devices[i]`
+    /// (what NCCL's `ncclCommInitAll` does), with default [`CommOptions`].
+    ///
+    /// The ranks are meant to be driven together by one thread: every send or receive between
+    /// two of them goes in one [`group`] with its counterpart (anything else is
+    /// [`Error::InvalidArgument`] at once, where NCCL would wait forever for the other half).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for no devices, or a device listed twice (NCCL refuses two
+    /// ranks on one GPU); NCCL errors.
+    pub fn init_all(devices: &[Device]) -> Result<Vec<Communicator>> {
+        Self::init_all_with(devices, CommOptions::default())
+    }
+
+    /// As [`Communicator::init_all`], with `options`.
+    ///
+    /// # Errors
+    /// As [`Communicator::init_all`], and [`Error::Timeout`].
+    pub fn init_all_with(devices: &[Device], options: CommOptions) -> Result<Vec<Communicator>> {
+        let world = devices.len();
+        check_world_rank(world, 0)?;
+        for (i, d) in devices.iter().enumerate() {
+            if devices[..i].iter().any(|e| e.same(d)) {
+                return Err(Error::InvalidArgument(format!(
+                    "device {} is listed twice: NCCL allows one rank per GPU",
+                    d.ordinal()
+                )));
+            }
+        }
+        let id = UniqueId::new()?.raw();
+        let started = Instant::now();
+        let mut comms = Vec::with_capacity(world);
+        // SAFETY: no raw group is open on this thread (see `with_options`); closed below.
+        unsafe { nc::group_start() }?;
+        let mut first_err = None;
+        for (rank, device) in devices.iter().enumerate() {
+            let mut config = options.config();
+            // SAFETY: as in `with_options`; inside this group, ready after `group_end`.
+            let made = device
+                .set_current()
+                .and_then(|()| unsafe { nc::comm_init_rank(world as i32, &id, rank as i32, &mut config) });
+            match made {
+                Ok((raw, _)) => comms.push(Communicator::wrap(raw, device, world, rank, options)),
+                Err(e) => {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+        }
+        // SAFETY: closes the group opened above, on this thread.
+        if let Err(e) = unsafe { nc::group_end() } {
+            first_err.get_or_insert(e);
+        }
+        for c in &comms {
+            if first_err.is_some() {
+                break;
+            }
+            let raw = c.shared.lock().raw;
+            // SAFETY: each communicator was just created.
+            if let Err(e) = unsafe { nc::wait_ready(raw, "ncclCommInitAll", started, options.timeout()) } {
+                first_err = Some(e);
+            }
+        }
+        if let Some(e) = first_err {
+            for c in &comms {
+                c.break_with(&e);
+            }
+            return Err(e);
+        }
+        // All ranks live here, made with one setting: their mailboxes are plain memory.
+        let clique = Arc::new(());
+        let regions: Vec<Arc<Region>> = (0..world)
+            .map(|r| Arc::new(Region::in_process(world, r)))
+            .collect();
+        for c in &mut comms {
+            c.clique = Some(clique.clone());
+            if options.verified() {
+                c.attach(Mailboxes::new(c.rank, regions.clone()), regions[c.rank].clone());
+            }
+        }
+        Ok(comms)
+    }
+
+    fn attach(&mut self, boxes: Mailboxes, mine: Arc<Region>) {
+        self.shared.lock().mailbox = Some(mine);
+        self.boxes = Some(boxes);
+    }
+
+    /// Breaks the communicator on an error during creation.
+    fn fail_on<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.break_with(e);
+        }
+        r
+    }
+
+    /// Every rank tells every other, through NCCL, whether it verifies and where its mailbox
+    /// is; every rank then maps its peers' mailboxes and says whether it could. Any
+    /// disagreement or failure is an error on every rank, so no rank verifies alone (issue 9,
+    /// hole 2: a verifying rank's checks would be read by an unverified one as payload).
+    fn settle_verification(&mut self) -> Result<()> {
+        let (world, rank, verified) = (self.world, self.rank, self.options.verified());
+        if world == 1 {
+            if verified {
+                let mine = Arc::new(Region::in_process(1, 0));
+                self.attach(Mailboxes::new(0, vec![mine.clone()]), mine);
+            }
+            return Ok(());
+        }
+        let token = random_token();
+        let mut mine: Option<(Region, PathBuf)> = None;
+        let mut problem = String::new();
+        if verified {
+            match Region::create_file(&mailbox_dir(), world, rank, token) {
+                Ok(m) => mine = Some(m),
+                Err(e) => problem = e,
+            }
+        }
+        let path = mine
+            .as_ref()
+            .map(|(_, p)| p.display().to_string())
+            .unwrap_or_default();
+        let card = Card {
+            verified,
+            rank: rank as u32,
+            world: world as u32,
+            token,
+            pid: std::process::id(),
+            path,
+        };
+        let words = card.encode().map_err(|detail| Error::Setup { detail })?;
+        let gathered = self.all_gather_words(&words);
+        let removed = |m: &Option<(Region, PathBuf)>| {
+            if let Some((_, p)) = m {
+                let _ = std::fs::remove_file(p);
+            }
+        };
+        let gathered = gathered.inspect_err(|_| removed(&mine))?;
+        let cards: Vec<Card> = gathered
+            .chunks(CARD_WORDS)
+            .map(Card::decode)
+            .collect::<std::result::Result<Vec<Card>, _>>()
+            .and_then(|cards| check_cards(rank, &cards).map(|()| cards))
+            .map_err(|detail| {
+                removed(&mine);
+                Error::Setup { detail }
+            })?;
+        let mut regions = Vec::new();
+        if verified && problem.is_empty() {
+            for (r, c) in cards.iter().enumerate() {
+                if r == rank {
+                    continue;
+                }
+                match Region::open_file(std::path::Path::new(&c.path), world, r, c.token) {
+                    Ok(region) => regions.push((r, Arc::new(region))),
+                    Err(e) => {
+                        problem = format!(
+                            "rank {rank} cannot map rank {r}'s mailbox ({e}): verification needs \
+                             every rank on one host (sharing /dev/shm); across hosts, create the \
+                             communicators with the unsafe CommOptions::unverified"
+                        );
+                        break;
+                    }
+                }
+            }
+        }
+        // Second round: did everyone map everyone? Then the files can go.
+        let ok = self.all_gather_words(&[u64::from(problem.is_empty())]);
+        removed(&mine);
+        let ok = ok?;
+        if !problem.is_empty() {
+            return Err(Error::Setup { detail: problem });
+        }
+        if let Some(bad) = ok.iter().position(|&w| w != 1) {
+            return Err(Error::Setup {
+                detail: format!("rank {bad} could not set up verification (its error says why)"),
+            });
+        }
+        if let Some((own, _)) = mine {
+            let own = Arc::new(own);
+            let mut all: Vec<Option<Arc<Region>>> = vec![None; world];
+            all[rank] = Some(own.clone());
+            for (r, region) in regions {
+                all[r] = Some(region);
+            }
+            let all = all
+                .into_iter()
+                .map(|r| r.expect("every rank's mailbox is mapped"))
+                .collect();
+            self.attach(Mailboxes::new(rank, all), own);
+        }
+        Ok(())
+    }
+
+    /// `words` from every rank, in rank order, through `ncclAllGather` on an internal stream,
+    /// waited for with the communicator's timeout.
+    fn all_gather_words(&self, words: &[u64]) -> Result<Vec<u64>> {
+        let stream = Stream::new(&self.device)?;
+        let send = DeviceBuffer::from_slice(&stream, words)?;
+        let mut all = DeviceBuffer::<u64>::zeros(&stream, words.len() * self.world)?;
+        let (src, dst) = (send.as_raw_ptr().cast(), all.as_raw_mut_ptr().cast());
+        let uses = [
+            TrackedUse {
+                stream: &stream,
+                tracked: send.tracked(),
+                access: Access::Read,
+            },
+            TrackedUse {
+                stream: &stream,
+                tracked: all.tracked(),
+                access: Access::Write,
+            },
+        ];
+        engine::check_devices(&uses)?;
+        let after = stream.last_recorded();
+        engine::enqueue(
+            &uses,
+            true,
+            |_| {
+                let mut state = self.shared.lock();
+                let raw = usable(&state)?;
+                // SAFETY: `src` holds `words.len()` u64 and `dst` world times that, on the
+                // communicator's device, tracked as a read and a write; every rank gathers the
+                // same count (the card's and the flag's fixed sizes); no raw group is open.
+                let rc =
+                    unsafe { nc::all_gather(src, dst, words.len(), u64::DATATYPE, raw, stream.as_raw()) }?;
+                let r = if rc == ncclResult_t::ncclInProgress {
+                    // SAFETY: `raw` is live.
+                    unsafe { nc::wait_ready(raw, "ncclAllGather", Instant::now(), self.options.timeout()) }
+                } else {
+                    nc::check("ncclAllGather", rc)
+                };
+                if let Err(e) = &r {
+                    state.break_with(e.to_string(), self.shared.ordinal);
+                }
+                r
+            },
+            |_, event| self.note_pending(event, after.clone()),
+        )?;
+        self.wait_stream(&stream)?;
+        all.to_vec(&stream)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The GPU this rank runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The options the communicator was made with (the timeout as last set).
+    pub fn options(&self) -> CommOptions {
+        self.options
+    }
+
+    /// The deadline of every host-side wait on this communicator, and the watchdog's.
+    pub fn timeout(&self) -> Duration {
+        self.options.timeout()
+    }
+
+    /// Changes the deadline of later waits, of the watchdog, and of the finalize on drop.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.options = self.options.with_timeout(timeout);
+        self.shared.lock().timeout = timeout;
+    }
+
+    /// The raw handle, for calling NCCL directly (null once aborted or finalized). Operations
+    /// queued through it are neither tracked nor verified, and the watchdog may abort (and so
+    /// free) the communicator at any time after an error or a missed deadline: using the handle
+    /// is `unsafe` and on the caller.
+    pub fn as_raw(&self) -> ncclComm_t {
+        self.shared.lock().raw
+    }
+
+    /// Why the communicator is unusable, if it is.
+    pub fn broken_reason(&self) -> Option<String> {
+        self.shared.lock().broken.clone()
+    }
+
+    /// Sends all of `buf` to rank `peer`, on `stream`: after every earlier write of `buf`, and
+    /// before any later write of it (on any stream) may start.
+    ///
+    /// The peer posts a matching [`Communicator::recv`] of the same count and type, in the
+    /// same order; verification (on by default) waits, on the host and with the timeout, until
+    /// it has, and compares. A send to oneself needs its receive in the same [`group`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] (peer out of range, another device, a send to oneself or to a
+    /// rank of the same `init_all` outside a group with its counterpart) before anything else;
+    /// [`Error::Mismatch`] when the peer's receive differs, [`Error::Timeout`] when it does not
+    /// come, [`Error::PeerBroken`] when the peer's communicator broke, NCCL errors: after these
+    /// the communicator is aborted.
+    pub fn send<T: NcclType>(&self, buf: &DeviceBuffer<T>, peer: usize, stream: &Stream) -> Result<()> {
+        group(|g| g.send(self, buf, peer, stream))
+    }
+
+    /// Sends the elements `range` of `buf`. As [`Communicator::send`]; the whole buffer counts
+    /// as read for tracking.
+    ///
+    /// # Errors
+    /// As [`Communicator::send`], and [`Error::InvalidArgument`] for a range outside `buf`.
+    pub fn send_range<T: NcclType>(
+        &self,
+        buf: &DeviceBuffer<T>,
+        range: Range<usize>,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        group(|g| g.send_range(self, buf, range, peer, stream))
+    }
+
+    /// Receives into all of `buf` from rank `peer`, on `stream`: after every earlier use of
+    /// `buf`, and before any later use of it may start.
+    ///
+    /// # Errors
+    /// As [`Communicator::send`].
+    pub fn recv<T: NcclType>(&self, buf: &mut DeviceBuffer<T>, peer: usize, stream: &Stream) -> Result<()> {
+        group(|g| g.recv(self, buf, peer, stream))
+    }
+
+    /// Receives into the elements `range` of `buf`. As [`Communicator::recv`]; the whole buffer
+    /// counts as written for tracking.
+    ///
+    /// # Errors
+    /// As [`Communicator::send_range`].
+    pub fn recv_range<T: NcclType>(
+        &self,
+        buf: &mut DeviceBuffer<T>,
+        range: Range<usize>,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        group(|g| g.recv_range(self, buf, range, peer, stream))
+    }
+
+    /// Blocks the host until every operation this communicator queued has completed on the GPU,
+    /// watching NCCL's asynchronous error (`ncclCommGetAsyncError`) while it waits. On an error,
+    /// or past the timeout, the communicator is aborted and the error returned.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], NCCL's asynchronous error, CUDA errors; [`Error::CommunicatorUnusable`].
+    pub fn synchronize(&self) -> Result<()> {
+        let events: Vec<Arc<PooledEvent>> = {
+            let state = self.shared.lock();
+            usable(&state)?;
+            state.pending.iter().map(|p| p.event.clone()).collect()
+        };
+        self.bounded(|| self.wait_events(&events, "queued sends and receives"))
+    }
+
+    /// Blocks the host until all work queued so far on `stream` has completed, watching this
+    /// communicator's asynchronous error while it waits; on an error, or past the timeout,
+    /// aborts the communicator and returns the error. Use it instead of
+    /// [`Stream::synchronize`] where a peer's failure must be reported as this communicator's.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], NCCL's asynchronous error, CUDA errors; [`Error::CommunicatorUnusable`].
+    pub fn wait_stream(&self, stream: &Stream) -> Result<()> {
+        usable(&self.shared.lock())?;
+        self.bounded(|| {
+            let e = stream.record_event()?;
+            self.wait_events(&[e], "the work queued on a stream")
+        })
+    }
+
+    /// Runs a wait; on its error, breaks the communicator.
+    fn bounded(&self, wait: impl FnOnce() -> Result<()>) -> Result<()> {
+        let r = wait();
+        if let Err(e) = &r {
+            self.break_with(e);
+        }
+        r
+    }
+
+    fn wait_events(&self, events: &[Arc<PooledEvent>], what: &str) -> Result<()> {
+        let started = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let mut idle = true;
+            for e in events {
+                // SAFETY: the event is kept alive by the Arc.
+                idle &= unsafe { crate::result::event_query(e.raw) }?;
+            }
+            if idle {
+                return Ok(());
+            }
+            {
+                let state = self.shared.lock();
+                let raw = usable(&state)?;
+                // SAFETY: `raw` is live: not broken, and the lock is held.
+                let rc = unsafe { nc::comm_state(raw) }?;
+                if rc != ncclResult_t::ncclSuccess && rc != ncclResult_t::ncclInProgress {
+                    return Err(nc::error("ncclCommGetAsyncError", rc));
+                }
+            }
+            if started.elapsed() >= self.timeout() {
+                return Err(Error::Timeout {
+                    what: format!("rank {}'s wait for {what}", self.rank),
+                    after: self.timeout(),
+                });
+            }
+            spins += 1;
+            if spins < 100 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+
+    /// Aborts the communicator now (`ncclCommAbort`): its queued operations stop, and every
+    /// later call returns [`Error::CommunicatorUnusable`]; peers waiting to verify against this
+    /// rank fail at once. Buffers it used stay tracked, so they are still freed only after the
+    /// aborted operations have left the GPU.
+    ///
+    /// # Errors
+    /// None today; kept for NCCL's error from the abort.
+    pub fn abort(&self) -> Result<()> {
+        self.shared
+            .lock()
+            .break_with("aborted by the program".into(), self.shared.ordinal);
+        Ok(())
+    }
+
+    /// Waits for the communicator's operations (as [`Communicator::synchronize`]), then
+    /// finalizes and destroys it; aborts it if they do not finish in time or fail. `Drop` does
+    /// the same but cannot report.
+    ///
+    /// # Errors
+    /// As [`Communicator::synchronize`]; NCCL's errors from finalizing.
+    pub fn finalize(self) -> Result<()> {
+        let r = self.finalize_raw();
+        if let Err(e) = &r {
+            self.break_with(e);
+        }
+        r
+    }
+
+    fn finalize_raw(&self) -> Result<()> {
+        // Finalizing while operations are still queued would wait for them inside NCCL, with no
+        // deadline for a blocking communicator: wait here first, with one.
+        self.synchronize()?;
+        self.device.set_current()?;
+        let mut state = self.shared.lock();
+        let raw = usable(&state)?;
+        if raw.is_null() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        // SAFETY: `raw` is live (non-null, not broken, lock held) and owned by self.
+        let pending = unsafe { nc::comm_finalize(raw) }?;
+        if pending {
+            // SAFETY: as above.
+            unsafe { nc::wait_ready(raw, "ncclCommFinalize", started, self.timeout()) }?;
+        }
+        state.raw = std::ptr::null_mut();
+        state.broken = Some("finalized".into());
+        // SAFETY: finalized; not used again (raw is now null).
+        unsafe { nc::comm_destroy(raw) }
+    }
+
+    /// Marks the communicator unusable because of `e` and aborts it.
+    pub(crate) fn break_with(&self, e: &Error) {
+        self.shared.lock().break_with(e.to_string(), self.shared.ordinal);
+    }
+
+    /// Remembers `event`, recorded after this communicator's latest work on some stream after
+    /// `after`, for [`Communicator::synchronize`] and the watchdog.
+    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, after: Option<Arc<PooledEvent>>) {
+        self.shared.lock().pending.push_back(Pending {
+            event: event.clone(),
+            after,
+            queued: Instant::now(),
+            started: None,
+        });
+    }
+}
+
+/// The live handle, or why there is none.
+pub(crate) fn usable(state: &State) -> Result<ncclComm_t> {
+    match &state.broken {
+        Some(reason) => Err(Error::CommunicatorUnusable {
+            reason: reason.clone(),
+        }),
+        None => Ok(state.raw),
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        let live = {
+            let state = self.shared.lock();
+            state.broken.is_none() && !state.raw.is_null()
+        };
+        if live && self.finalize_raw().is_err() {
+            self.break_with(&Error::CommunicatorUnusable {
+                reason: "dropped while its work did not complete".into(),
+            });
+        }
+    }
+}
+
+pub(crate) fn check_world_rank(world: usize, rank: usize) -> Result<()> {
+    if world == 0 {
+        return Err(Error::InvalidArgument(
+            "a communicator needs at least one rank (world size 0)".into(),
+        ));
+    }
+    if world > i32::MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "world size {world} is larger than NCCL allows"
+        )));
+    }
+    if rank >= world {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank} is out of range for a communicator of {world} ranks"
+        )));
+    }
+    Ok(())
+}
+
+/// A value no other communicator of this host is likely to pick: the mailbox token.
+fn random_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn world_and_rank_are_checked() {
+        assert!(check_world_rank(1, 0).is_ok());
+        assert!(matches!(check_world_rank(0, 0), Err(Error::InvalidArgument(_))));
+        let e = check_world_rank(2, 2).unwrap_err().to_string();
+        assert!(e.contains("rank 2") && e.contains("2 ranks"), "{e}");
+    }
+
+    #[test]
+    fn tokens_differ() {
+        assert_ne!(random_token(), random_token());
+    }
+}

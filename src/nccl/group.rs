@@ -1,0 +1,472 @@
+//! [`group`]: sends and receives collected by a closure, checked, verified, and queued as one
+//! NCCL group through the crate's one tracked path.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::time::Instant;
+
+use crate::buffer::DeviceBuffer;
+use crate::engine::{self, Tracked, TrackedUse};
+use crate::error::{Error, Result};
+use crate::nccl::communicator::{Communicator, State, usable};
+use crate::nccl::types::NcclType;
+use crate::nccl::verify::wire::OpDesc;
+use crate::nccl::verify::{self, Failure, PairOps};
+use crate::result::nccl as nc;
+use crate::stream::Stream;
+use crate::sys::nccl::{ncclDataType_t, ncclResult_t};
+use crate::tracking::Access;
+
+/// One send or receive, checked and waiting for [`Group`] to submit it.
+struct Op<'a> {
+    comm: &'a Communicator,
+    stream: &'a Stream,
+    tracked: &'a Tracked,
+    access: Access,
+    ptr: *mut c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    peer: usize,
+}
+
+impl Op<'_> {
+    fn desc(&self) -> OpDesc {
+        OpDesc {
+            count: self.count as u64,
+            dtype: self.dtype.0,
+        }
+    }
+}
+
+/// Sends and receives queued together (`ncclGroupStart` … `ncclGroupEnd`), made with [`group`].
+///
+/// Each call checks its arguments at once; nothing reaches NCCL until the closure given to
+/// [`group`] returns `Ok`, so a group is never left open and an error inside the closure
+/// submits nothing. Operations may span several communicators (several GPUs of this process)
+/// and streams.
+pub struct Group<'a> {
+    ops: Vec<Op<'a>>,
+    /// NCCL's group state is per thread.
+    _not_send: PhantomData<*const ()>,
+}
+
+/// Runs `f` to collect sends and receives, then submits them as one NCCL group.
+///
+/// A send to oneself and its receive must be in one group; so must every send or receive
+/// between ranks made together by [`Communicator::init_all`] and its counterpart.
+///
+/// ```no_run
+/// # fn main() -> handoff::Result<()> {
+/// use handoff::{group, Communicator, Device, DeviceBuffer, Stream};
+/// let gpu = Device::new(0)?;
+/// let comm = &Communicator::init_all(&[gpu.clone()])?[0];
+/// let stream = Stream::new(&gpu)?;
+/// let x = DeviceBuffer::from_slice(&stream, &[1.0f32, 2.0, 3.0, 4.0])?;
+/// let mut y = DeviceBuffer::<f32>::zeros(&stream, 4)?;
+/// group(|g| {
+///     g.send(comm, &x, 0, &stream)?; // to itself: rank 0 of 1
+///     g.recv(comm, &mut y, 0, &stream)
+/// })?;
+/// assert_eq!(y.to_vec(&stream)?, [1.0, 2.0, 3.0, 4.0]);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+/// `f`'s error (nothing submitted); [`Error::InvalidArgument`] for a send to oneself, or
+/// between ranks of one `init_all`, without its counterpart in the group (nothing submitted,
+/// the communicators stay usable); [`Error::Mismatch`], [`Error::Timeout`],
+/// [`Error::PeerBroken`] from verification, NCCL errors: the communicators involved are then
+/// aborted.
+pub fn group<'a, R>(f: impl FnOnce(&mut Group<'a>) -> Result<R>) -> Result<R> {
+    let mut g = Group {
+        ops: Vec::new(),
+        _not_send: PhantomData,
+    };
+    let out = f(&mut g)?;
+    g.submit()?;
+    Ok(out)
+}
+
+impl<'a> Group<'a> {
+    /// Adds a send of all of `buf`; see [`Communicator::send`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`]; [`Error::CommunicatorUnusable`].
+    pub fn send<T: NcclType>(
+        &mut self,
+        comm: &'a Communicator,
+        buf: &'a DeviceBuffer<T>,
+        peer: usize,
+        stream: &'a Stream,
+    ) -> Result<()> {
+        self.send_range(comm, buf, 0..buf.len(), peer, stream)
+    }
+
+    /// Adds a send of the elements `range` of `buf`.
+    ///
+    /// # Errors
+    /// As [`Group::send`].
+    pub fn send_range<T: NcclType>(
+        &mut self,
+        comm: &'a Communicator,
+        buf: &'a DeviceBuffer<T>,
+        range: Range<usize>,
+        peer: usize,
+        stream: &'a Stream,
+    ) -> Result<()> {
+        let ptr = buf.as_raw_ptr().cast_mut();
+        self.push::<T>(
+            comm,
+            buf.tracked(),
+            buf.len(),
+            ptr,
+            range,
+            peer,
+            stream,
+            Access::Read,
+        )
+    }
+
+    /// Adds a receive into all of `buf`; see [`Communicator::recv`].
+    ///
+    /// # Errors
+    /// As [`Group::send`].
+    pub fn recv<T: NcclType>(
+        &mut self,
+        comm: &'a Communicator,
+        buf: &'a mut DeviceBuffer<T>,
+        peer: usize,
+        stream: &'a Stream,
+    ) -> Result<()> {
+        let len = buf.len();
+        self.recv_range(comm, buf, 0..len, peer, stream)
+    }
+
+    /// Adds a receive into the elements `range` of `buf`.
+    ///
+    /// # Errors
+    /// As [`Group::send`].
+    pub fn recv_range<T: NcclType>(
+        &mut self,
+        comm: &'a Communicator,
+        buf: &'a mut DeviceBuffer<T>,
+        range: Range<usize>,
+        peer: usize,
+        stream: &'a Stream,
+    ) -> Result<()> {
+        let ptr = buf.as_raw_mut_ptr();
+        let buf: &'a DeviceBuffer<T> = buf;
+        self.push::<T>(
+            comm,
+            buf.tracked(),
+            buf.len(),
+            ptr,
+            range,
+            peer,
+            stream,
+            Access::Write,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push<T: NcclType>(
+        &mut self,
+        comm: &'a Communicator,
+        tracked: &'a Tracked,
+        len: usize,
+        base: *mut T,
+        range: Range<usize>,
+        peer: usize,
+        stream: &'a Stream,
+        access: Access,
+    ) -> Result<()> {
+        usable(&comm.shared.lock())?;
+        let what = if access == Access::Read { "send" } else { "receive" };
+        if peer >= comm.world_size() {
+            return Err(Error::InvalidArgument(format!(
+                "{what} peer {peer} is out of range for a communicator of {} ranks",
+                comm.world_size()
+            )));
+        }
+        if range.start > range.end || range.end > len {
+            return Err(Error::InvalidArgument(format!(
+                "{what} range {range:?} is outside a buffer of {len} elements"
+            )));
+        }
+        stream.check_device(comm.device(), "the communicator")?;
+        stream.check_tracked(tracked, access)?;
+        if range.is_empty() {
+            // Defined as a no-op on both sides: NCCL is not called and nothing is tracked.
+            return Ok(());
+        }
+        // SAFETY: `range.start < len`, so the offset stays inside the allocation.
+        let ptr = unsafe { base.add(range.start) }.cast::<c_void>();
+        self.ops.push(Op {
+            comm,
+            stream,
+            tracked,
+            access,
+            ptr,
+            count: range.len(),
+            dtype: T::DATATYPE,
+            peer,
+        });
+        Ok(())
+    }
+
+    /// The communicators of the group, each once, in first-use order (few: a linear scan).
+    fn comms(&self) -> Vec<&'a Communicator> {
+        let mut comms: Vec<&Communicator> = Vec::new();
+        for op in &self.ops {
+            if !comms.iter().any(|c| std::ptr::eq(*c, op.comm)) {
+                comms.push(op.comm);
+            }
+        }
+        comms
+    }
+
+    /// The communicator of rank `peer` made by the same `init_all` as `comm`, in this group.
+    fn local_peer(&self, comm: &Communicator, peer: usize) -> Option<&'a Communicator> {
+        if peer == comm.rank() {
+            return Some(self.ops.iter().find(|o| std::ptr::eq(o.comm, comm))?.comm);
+        }
+        let clique = comm.clique.as_ref()?;
+        self.ops.iter().map(|o| o.comm).find(|c| {
+            c.rank() == peer
+                && c.clique
+                    .as_ref()
+                    .is_some_and(|k| std::sync::Arc::ptr_eq(k, clique))
+        })
+    }
+
+    /// Operations whose counterpart must be in this group (sends to oneself, and between ranks
+    /// of one `init_all`, which one thread drives) are matched here, before anything is
+    /// published or posted, whether or not the communicator verifies: NCCL would otherwise
+    /// wait forever for the other half. NCCL matches a pair's operations in the order issued.
+    fn check_local(&self) -> Result<()> {
+        for op in &self.ops {
+            let (me, peer) = (op.comm.rank(), op.peer);
+            if peer != me && op.comm.clique.is_none() {
+                continue;
+            }
+            let Some(other) = self.local_peer(op.comm, peer) else {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {me} {} rank {peer}, made by the same Communicator::init_all, outside \
+                     a group that holds rank {peer}'s counterpart: ranks made together are \
+                     driven by one thread, so put the send and the receive in one group (or make \
+                     each rank with Communicator::new on its own thread)",
+                    if op.access == Access::Read {
+                        "sends to"
+                    } else {
+                        "receives from"
+                    }
+                )));
+            };
+            let side = |from: &'a Communicator, to: usize, access: Access| {
+                self.ops
+                    .iter()
+                    .filter(move |o| std::ptr::eq(o.comm, from) && o.peer == to && o.access == access)
+                    .map(|o| (o.count, o.dtype.0))
+            };
+            let sends = side(op.comm, peer, Access::Read);
+            let recvs = side(other, me, Access::Write);
+            if !sends.clone().eq(recvs.clone()) {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {me}'s sends to rank {peer} {:?} and rank {peer}'s receives from rank {me} \
+                     {:?}, as (count, NCCL type) in the order issued, must match one to one in \
+                     the same group, or NCCL waits forever or writes past a receive",
+                    sends.collect::<Vec<_>>(),
+                    recvs.collect::<Vec<_>>()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Verification (on communicators that have it): every operation published to its peer,
+    /// and its counterpart seen and compared, before anything reaches NCCL.
+    fn verify(&self, comms: &[&'a Communicator]) -> Result<()> {
+        let mut pairs: Vec<PairOps<'_>> = Vec::new();
+        for op in &self.ops {
+            let Some(boxes) = &op.comm.boxes else { continue };
+            let i = match pairs
+                .iter()
+                .position(|p| std::ptr::eq(p.boxes, boxes) && p.peer == op.peer)
+            {
+                Some(i) => i,
+                None => {
+                    pairs.push(PairOps {
+                        boxes,
+                        peer: op.peer,
+                        sends: Vec::new(),
+                        recvs: Vec::new(),
+                        local: op.peer == op.comm.rank() || op.comm.clique.is_some(),
+                        timeout: op.comm.timeout(),
+                    });
+                    pairs.len() - 1
+                }
+            };
+            let side = if op.access == Access::Read {
+                &mut pairs[i].sends
+            } else {
+                &mut pairs[i].recvs
+            };
+            side.push(op.desc());
+        }
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let failure = match verify::verify(&pairs) {
+            Ok(()) => return Ok(()),
+            Err(f) => f,
+        };
+        let e = match failure {
+            Failure::Mismatch(detail) => Error::Mismatch { detail },
+            Failure::Missing(detail) => Error::InvalidArgument(detail),
+            Failure::PeerBroken(peer) => Error::PeerBroken { peer },
+            Failure::Timeout { peer, waited, what } => Error::Timeout {
+                what: format!("waiting for rank {peer}'s counterpart ({what}; waited {waited:?})"),
+                after: comms.iter().map(|c| c.timeout()).min().unwrap_or(waited),
+            },
+        };
+        // What this group published can no longer be matched in order: every communicator of
+        // the group stops here, and tells its peers.
+        for c in comms {
+            c.break_with(&e);
+        }
+        Err(e)
+    }
+
+    fn submit(self) -> Result<()> {
+        if self.ops.is_empty() {
+            return Ok(());
+        }
+        let comms = self.comms();
+        self.check_local()?;
+        self.verify(&comms)?;
+        let uses: Vec<TrackedUse<'_>> = self
+            .ops
+            .iter()
+            .map(|o| TrackedUse {
+                stream: o.stream,
+                tracked: o.tracked,
+                access: o.access,
+            })
+            .collect();
+        // What each stream runs before this group: the watchdog's deadline for the group
+        // counts from its completion, so earlier GPU work is never taken for a dead peer.
+        let before: Vec<_> = self.ops.iter().map(|o| o.stream.last_recorded()).collect();
+        engine::enqueue(
+            &uses,
+            true,
+            |_| self.post(&comms),
+            |stream, event| {
+                let after = self
+                    .ops
+                    .iter()
+                    .position(|o| std::ptr::eq(o.stream, stream))
+                    .and_then(|i| before[i].clone());
+                for c in &comms {
+                    if self
+                        .ops
+                        .iter()
+                        .any(|o| std::ptr::eq(o.comm, *c) && std::ptr::eq(o.stream, stream))
+                    {
+                        c.note_pending(event, after.clone());
+                    }
+                }
+            },
+        )
+    }
+
+    /// The NCCL group itself, with every communicator's lock held so that the watchdog cannot
+    /// abort one in the middle. Nothing reaches a stream before `ncclGroupEnd`.
+    fn post(&self, comms: &[&'a Communicator]) -> Result<()> {
+        let mut states: Vec<std::sync::MutexGuard<'_, State>> =
+            comms.iter().map(|c| c.shared.lock()).collect();
+        let mut raws = Vec::with_capacity(comms.len());
+        for s in &states {
+            raws.push(usable(s)?);
+        }
+        let raw_of = |c: &Communicator| raws[comms.iter().position(|d| std::ptr::eq(*d, c)).expect("listed")];
+        let started = Instant::now();
+        // SAFETY: no raw group is open on this thread (`group_start` is unsafe and requires its
+        // group closed before handoff's calls); closed below on every path.
+        unsafe { nc::group_start() }?;
+        let mut failed: Option<Error> = None;
+        for op in &self.ops {
+            let comm = raw_of(op.comm);
+            // SAFETY: `op` was checked when added: the pointer and count lie inside a buffer of
+            // the communicator's device, borrowed for the group's lifetime 'a; the peer is in
+            // range; the stream is live; the peer has posted the same count and type in the same
+            // place in its order (verified, or promised by `CommOptions::unverified`). Tracking
+            // made the stream wait for conflicting uses and records this one after the group.
+            let rc = unsafe {
+                if op.access == Access::Read {
+                    nc::send(
+                        op.ptr,
+                        op.count,
+                        op.dtype,
+                        op.peer as i32,
+                        comm,
+                        op.stream.as_raw(),
+                    )
+                } else {
+                    nc::recv(
+                        op.ptr,
+                        op.count,
+                        op.dtype,
+                        op.peer as i32,
+                        comm,
+                        op.stream.as_raw(),
+                    )
+                }
+            };
+            let issued = rc.and_then(|rc| {
+                if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress {
+                    Ok(())
+                } else {
+                    Err(nc::error(
+                        if op.access == Access::Read {
+                            "ncclSend"
+                        } else {
+                            "ncclRecv"
+                        },
+                        rc,
+                    ))
+                }
+            });
+            if let Err(e) = issued {
+                failed = Some(e);
+                break;
+            }
+        }
+        // Always close the group, even after an error.
+        // SAFETY: closes the group opened above, on this thread.
+        let in_progress = unsafe { nc::group_end() }.unwrap_or_else(|e| {
+            failed.get_or_insert(e);
+            false
+        });
+        // A non-blocking communicator may still be enqueueing: wait until it is ready.
+        if failed.is_none() && in_progress {
+            for (c, raw) in comms.iter().zip(&raws) {
+                // SAFETY: the communicator is live (usable, lock held).
+                if let Err(e) = unsafe { nc::wait_ready(*raw, "ncclGroupEnd", started, c.timeout()) } {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        match failed {
+            Some(e) => {
+                for (s, c) in states.iter_mut().zip(comms) {
+                    s.break_with(e.to_string(), c.shared.ordinal);
+                }
+                Err(e)
+            }
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! [`CommOptions`]: how a communicator is made.
+
+use std::time::Duration;
+
+use crate::result::nccl as nc;
+
+/// How a communicator is made: built from [`CommOptions::default`] with the `with_*` methods.
+///
+/// ```
+/// use std::time::Duration;
+/// let options = handoff::CommOptions::default().with_timeout(Duration::from_secs(30));
+/// assert!(options.verified() && options.blocking());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommOptions {
+    timeout: Duration,
+    blocking: bool,
+    verified: bool,
+}
+
+impl Default for CommOptions {
+    /// Verified, blocking, with a 120 s timeout.
+    fn default() -> Self {
+        CommOptions {
+            timeout: Duration::from_secs(120),
+            blocking: true,
+            verified: true,
+        }
+    }
+}
+
+impl CommOptions {
+    /// Non-blocking, with `timeout` for every host-side wait; otherwise the defaults.
+    pub fn nonblocking(timeout: Duration) -> Self {
+        CommOptions::default().with_timeout(timeout).with_blocking(false)
+    }
+
+    /// The deadline of every wait on the communicator: creation (non-blocking only), a peer's
+    /// counterpart during verification, [`Communicator::synchronize`](crate::Communicator::synchronize),
+    /// [`Communicator::wait_stream`](crate::Communicator::wait_stream), finalizing, and the
+    /// watchdog's deadline for queued work (see [`Communicator`](crate::Communicator)). Past
+    /// it the communicator is aborted.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// NCCL's `blocking` setting. Blocking (the default, and NCCL's) is fast: a send or receive
+    /// returns after a few microseconds. Non-blocking makes creation and enqueueing time out
+    /// instead of hanging on a rank that never comes, but on NCCL 2.28 every group then goes
+    /// through NCCL's background thread, which costs tens of microseconds per call
+    /// (BENCHMARKS.md).
+    pub fn with_blocking(mut self, blocking: bool) -> Self {
+        self.blocking = blocking;
+        self
+    }
+
+    /// Turns verification off: sends and receives go to NCCL without this rank first seeing its
+    /// peer's counterpart. Saves the host a few hundred nanoseconds per group (BENCHMARKS.md).
+    ///
+    /// Every rank of the communicator must be made with the same setting; a rank that differs
+    /// gets an error when the communicator is created, on every rank.
+    ///
+    /// # Safety
+    /// For every send this rank posts, the peer posts a receive of the same element count and
+    /// type, and the sends and receives between each pair of ranks are posted in the same order
+    /// on both (a send to oneself included: its receive in the same group). NCCL leaves a
+    /// disagreement undefined: measured on two H200s it delivered wrong data, hung, or wrote
+    /// past the end of a shorter receive buffer.
+    ///
+    /// ```
+    /// // SAFETY: every rank of this program posts matching sends and receives.
+    /// let options = unsafe { handoff::CommOptions::default().unverified() };
+    /// assert!(!options.verified());
+    /// ```
+    /// Turning verification off is never a safe call, nor a plain field (issue 9, hole 1):
+    /// ```compile_fail
+    /// let options = handoff::CommOptions::default().unverified();
+    /// ```
+    pub unsafe fn unverified(mut self) -> Self {
+        self.verified = false;
+        self
+    }
+
+    /// The timeout ([`CommOptions::with_timeout`]).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Whether the communicator is blocking ([`CommOptions::with_blocking`]).
+    pub fn blocking(&self) -> bool {
+        self.blocking
+    }
+
+    /// Whether operations are verified across ranks (the default; see
+    /// [`CommOptions::unverified`]).
+    pub fn verified(&self) -> bool {
+        self.verified
+    }
+
+    pub(crate) fn config(&self) -> crate::sys::nccl::ncclConfig_t {
+        let mut config = nc::config_initializer();
+        config.blocking = i32::from(self.blocking);
+        config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verified_by_default_in_every_profile() {
+        // Issue 9, hole 1: release builds used to default to unverified.
+        let o = CommOptions::default();
+        assert!(o.verified() && o.blocking());
+        assert_eq!(o.timeout(), Duration::from_secs(120));
+        assert!(CommOptions::nonblocking(Duration::from_secs(3)).verified());
+        // SAFETY: not used to make a communicator.
+        assert!(!unsafe { CommOptions::default().unverified() }.verified());
+    }
+}

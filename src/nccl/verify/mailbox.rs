@@ -1,0 +1,301 @@
+//! Mailboxes: where each rank publishes the sends and receives it is about to post, for its
+//! peers to check before anything reaches NCCL. One region per rank, written only by its owner
+//! and read by its peers: shared memory (a file under `/dev/shm`, mapped by every process of the
+//! communicator on the host) between processes, plain memory between the ranks of one process.
+//!
+//! # Layout (64-bit words)
+//! A header (magic, token, rank, world, status), then one block per peer `p`:
+//! - a ring of this rank's sends to `p` and a ring of its receives from `p`, [`RING`] entries
+//!   each; entry `i` (0-based, in the order issued) lives in slot `i % RING` as
+//!   `[i + 1, count, type]`, the tag written last (release) so a reader that sees tag `i + 1`
+//!   (acquire) sees the whole entry;
+//! - how many of `p`'s sends to this rank, and of `p`'s receives from it, this rank has checked.
+//!   A rank overwrites a slot only once its peer has checked the entry in it, so a reader never
+//!   sees a torn or overwritten entry.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::wire::{Dir, OpDesc};
+
+/// Entries per ring: how far a rank may publish ahead of its peer's checks.
+pub(crate) const RING: u64 = 64;
+const ENTRY_WORDS: usize = 3;
+const MAGIC: u64 = 0x4844_4f46_464d_4231; // "HDOFFMB1"
+const HEADER_WORDS: usize = 8;
+const H_MAGIC: usize = 0;
+const H_TOKEN: usize = 1;
+const H_RANK: usize = 2;
+const H_WORLD: usize = 3;
+const H_STATUS: usize = 4;
+const RING_WORDS: usize = RING as usize * ENTRY_WORDS;
+/// Two rings and two counters, rounded up to whole 64-byte lines.
+const PEER_WORDS: usize = (2 * RING_WORDS + 2).div_ceil(8) * 8;
+
+/// A rank's status word: nothing wrong.
+pub(crate) const LIVE: u64 = 0;
+/// A rank's status word: its communicator broke (an error, a timeout, an abort).
+pub(crate) const BROKEN: u64 = 1;
+
+enum Memory {
+    Heap(#[allow(dead_code)] Box<[AtomicU64]>),
+    Mapped(#[allow(dead_code)] memmap2::MmapMut),
+}
+
+/// One rank's mailbox.
+pub(crate) struct Region {
+    words: *const AtomicU64,
+    len: usize,
+    world: usize,
+    _memory: Memory,
+}
+
+// SAFETY: the region is only accessed through atomics, from any thread; `words` points into
+// `_memory`, which lives as long as the region and never moves (a boxed slice, or a mapping).
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+fn words_for(world: usize) -> Option<usize> {
+    world.checked_mul(PEER_WORDS)?.checked_add(HEADER_WORDS)
+}
+
+impl Region {
+    fn new(memory: Memory, words: *const AtomicU64, len: usize, world: usize) -> Region {
+        Region {
+            words,
+            len,
+            world,
+            _memory: memory,
+        }
+    }
+
+    fn init(&self, rank: usize, token: u64) {
+        self.word(H_TOKEN).store(token, Ordering::Relaxed);
+        self.word(H_RANK).store(rank as u64, Ordering::Relaxed);
+        self.word(H_WORLD).store(self.world as u64, Ordering::Relaxed);
+        self.word(H_STATUS).store(LIVE, Ordering::Relaxed);
+        self.word(H_MAGIC).store(MAGIC, Ordering::Release);
+    }
+
+    /// A mailbox in this process's memory, for ranks that all live in it.
+    pub(crate) fn in_process(world: usize, rank: usize) -> Region {
+        let len = words_for(world).expect("world sizes come from an i32");
+        let memory: Box<[AtomicU64]> = (0..len).map(|_| AtomicU64::new(0)).collect();
+        let words = memory.as_ptr();
+        let r = Region::new(Memory::Heap(memory), words, len, world);
+        r.init(rank, 0);
+        r
+    }
+
+    /// A new mailbox file in `dir`, for peers in other processes of this host to map.
+    ///
+    /// # Errors
+    /// The file cannot be created, sized or mapped.
+    pub(crate) fn create_file(
+        dir: &Path,
+        world: usize,
+        rank: usize,
+        token: u64,
+    ) -> Result<(Region, PathBuf), String> {
+        let len = words_for(world).ok_or("the world is too large for a mailbox")?;
+        let path = dir.join(format!("handoff-{}-{token:016x}-r{rank}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| format!("creating {}: {e}", path.display()))?;
+        let r = file
+            .set_len((len * 8) as u64)
+            .map_err(|e| format!("sizing {}: {e}", path.display()))
+            .and_then(|()| Self::map(&file, &path, len, world));
+        match r {
+            Ok(region) => {
+                region.init(rank, token);
+                Ok((region, path))
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                Err(e)
+            }
+        }
+    }
+
+    /// Maps a peer's mailbox file and checks that it is the one its card announced.
+    ///
+    /// # Errors
+    /// The file cannot be opened or mapped (for example, the peer is on another host), or it is
+    /// not that rank's mailbox.
+    pub(crate) fn open_file(path: &Path, world: usize, rank: usize, token: u64) -> Result<Region, String> {
+        let len = words_for(world).ok_or("the world is too large for a mailbox")?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| format!("opening {}: {e}", path.display()))?;
+        let size = file.metadata().map_err(|e| e.to_string())?.len();
+        if size != (len * 8) as u64 {
+            return Err(format!("{} has {size} bytes, not {}", path.display(), len * 8));
+        }
+        let region = Self::map(&file, path, len, world)?;
+        let ok = region.word(H_MAGIC).load(Ordering::Acquire) == MAGIC
+            && region.word(H_TOKEN).load(Ordering::Relaxed) == token
+            && region.word(H_RANK).load(Ordering::Relaxed) == rank as u64
+            && region.word(H_WORLD).load(Ordering::Relaxed) == world as u64;
+        if ok {
+            Ok(region)
+        } else {
+            Err(format!("{} is not rank {rank}'s mailbox", path.display()))
+        }
+    }
+
+    fn map(file: &std::fs::File, path: &Path, len: usize, world: usize) -> Result<Region, String> {
+        // SAFETY: the file is ours or a peer's mailbox, of exactly `len` words; every access to
+        // it goes through atomics, so the other processes writing it concurrently (only ever
+        // through atomics too) is not a data race. Nobody truncates it while mapped: its owner
+        // sized it once and only removes its name.
+        let mut map = unsafe { memmap2::MmapMut::map_mut(file) }
+            .map_err(|e| format!("mapping {}: {e}", path.display()))?;
+        if map.len() < len * 8 || map.as_ptr().align_offset(8) != 0 {
+            return Err(format!("{} mapped short or misaligned", path.display()));
+        }
+        let words = map.as_mut_ptr().cast::<AtomicU64>().cast_const();
+        Ok(Region::new(Memory::Mapped(map), words, len, world))
+    }
+
+    fn word(&self, i: usize) -> &AtomicU64 {
+        assert!(i < self.len, "mailbox word {i} out of {}", self.len);
+        // SAFETY: in bounds (checked); the memory is valid, aligned and lives as long as self.
+        unsafe { &*self.words.add(i) }
+    }
+
+    fn block(&self, peer: usize) -> usize {
+        assert!(peer < self.world, "peer {peer} of {}", self.world);
+        HEADER_WORDS + peer * PEER_WORDS
+    }
+
+    fn slot(&self, peer: usize, dir: Dir, index: u64) -> usize {
+        let ring = match dir {
+            Dir::Send => 0,
+            Dir::Recv => RING_WORDS,
+        };
+        self.block(peer) + ring + (index % RING) as usize * ENTRY_WORDS
+    }
+
+    fn checked_word(&self, peer: usize, dir: Dir) -> usize {
+        self.block(peer) + 2 * RING_WORDS + if dir == Dir::Send { 0 } else { 1 }
+    }
+
+    /// Publishes this rank's operation number `index` with `peer`. The caller has made sure the
+    /// peer checked entry `index - RING` ([`Region::checked`]).
+    pub(crate) fn publish(&self, peer: usize, dir: Dir, index: u64, op: OpDesc) {
+        let at = self.slot(peer, dir, index);
+        let [count, dtype] = op.encode();
+        self.word(at + 1).store(count, Ordering::Relaxed);
+        self.word(at + 2).store(dtype, Ordering::Relaxed);
+        self.word(at).store(index + 1, Ordering::Release);
+    }
+
+    /// The owner's operation number `index` with `peer`, once published.
+    pub(crate) fn read(&self, peer: usize, dir: Dir, index: u64) -> Option<OpDesc> {
+        let at = self.slot(peer, dir, index);
+        if self.word(at).load(Ordering::Acquire) != index + 1 {
+            return None;
+        }
+        let op = OpDesc::decode([
+            self.word(at + 1).load(Ordering::Relaxed),
+            self.word(at + 2).load(Ordering::Relaxed),
+        ]);
+        Some(op)
+    }
+
+    /// How many of `peer`'s operations in direction `dir` (its sends to the owner, or its
+    /// receives from the owner) the owner has checked.
+    pub(crate) fn checked(&self, peer: usize, dir: Dir) -> u64 {
+        self.word(self.checked_word(peer, dir)).load(Ordering::Acquire)
+    }
+
+    /// Records that the owner has checked `n` of `peer`'s operations in direction `dir`.
+    pub(crate) fn set_checked(&self, peer: usize, dir: Dir, n: u64) {
+        self.word(self.checked_word(peer, dir))
+            .store(n, Ordering::Release);
+    }
+
+    /// The owner's status ([`LIVE`] or [`BROKEN`]).
+    pub(crate) fn status(&self) -> u64 {
+        self.word(H_STATUS).load(Ordering::Acquire)
+    }
+
+    /// Tells every peer that the owner's communicator broke, so that none waits for it.
+    pub(crate) fn set_broken(&self) {
+        self.word(H_STATUS).store(BROKEN, Ordering::Release);
+    }
+}
+
+/// The folder for mailbox files: `/dev/shm` where it exists (memory, not disk), else the
+/// temporary folder.
+pub(crate) fn mailbox_dir() -> PathBuf {
+    let shm = PathBuf::from("/dev/shm");
+    if shm.is_dir() { shm } else { std::env::temp_dir() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(count: u64) -> OpDesc {
+        OpDesc { count, dtype: 7 }
+    }
+
+    #[test]
+    fn entries_round_trip_and_wrap_without_stale_reads() {
+        let r = Region::in_process(3, 1);
+        assert_eq!(r.read(2, Dir::Send, 0), None);
+        r.publish(2, Dir::Send, 0, op(10));
+        assert_eq!(r.read(2, Dir::Send, 0), Some(op(10)));
+        // Another peer's and the other direction's rings are separate.
+        assert_eq!(r.read(0, Dir::Send, 0), None);
+        assert_eq!(r.read(2, Dir::Recv, 0), None);
+        // Entry RING lands in entry 0's slot: a reader asking for 0 no longer sees it, and a
+        // reader asking for RING does not see entry 0.
+        assert_eq!(r.read(2, Dir::Send, RING), None);
+        r.publish(2, Dir::Send, RING, op(11));
+        assert_eq!(r.read(2, Dir::Send, 0), None);
+        assert_eq!(r.read(2, Dir::Send, RING), Some(op(11)));
+    }
+
+    #[test]
+    fn checked_counters_and_status() {
+        let r = Region::in_process(2, 0);
+        assert_eq!(r.checked(1, Dir::Recv), 0);
+        r.set_checked(1, Dir::Recv, 5);
+        r.set_checked(1, Dir::Send, 7);
+        assert_eq!((r.checked(1, Dir::Recv), r.checked(1, Dir::Send)), (5, 7));
+        assert_eq!(r.status(), LIVE);
+        r.set_broken();
+        assert_eq!(r.status(), BROKEN);
+    }
+
+    #[test]
+    #[should_panic(expected = "peer 2 of 2")]
+    fn a_peer_out_of_range_is_refused() {
+        Region::in_process(2, 0).read(2, Dir::Send, 0);
+    }
+
+    #[test]
+    fn a_file_mailbox_is_shared_and_checked_by_token() {
+        let dir = std::env::temp_dir();
+        let (mine, path) = Region::create_file(&dir, 2, 1, 0xabc).unwrap();
+        let theirs = Region::open_file(&path, 2, 1, 0xabc).unwrap();
+        mine.publish(0, Dir::Recv, 0, op(3));
+        assert_eq!(theirs.read(0, Dir::Recv, 0), Some(op(3)));
+        theirs.set_broken(); // the same memory
+        assert_eq!(mine.status(), BROKEN);
+        let e = Region::open_file(&path, 2, 1, 0xdef).err().unwrap();
+        assert!(e.contains("not rank 1's mailbox"), "{e}");
+        assert!(Region::open_file(&path, 3, 1, 0xabc).is_err());
+        std::fs::remove_file(&path).unwrap();
+        assert!(Region::open_file(&path, 2, 1, 0xabc).is_err());
+    }
+}

@@ -1,0 +1,267 @@
+//! What ranks tell each other to verify their operations: one [`OpDesc`] per send or receive,
+//! and at creation one [`Card`] per rank. Plain data, so the CPU tests cover every encoding and
+//! comparison.
+
+use crate::nccl::types::datatype_name;
+
+/// One send or receive as its peer must see it: NCCL matches the sends and receives between two
+/// ranks in the order they were issued, and each pair must agree on element count and type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct OpDesc {
+    /// Elements.
+    pub(crate) count: u64,
+    /// `ncclDataType_t` code.
+    pub(crate) dtype: u32,
+}
+
+impl OpDesc {
+    /// The two words of a ring entry after its tag.
+    pub(crate) fn encode(self) -> [u64; 2] {
+        [self.count, u64::from(self.dtype)]
+    }
+
+    pub(crate) fn decode(w: [u64; 2]) -> OpDesc {
+        OpDesc {
+            count: w[0],
+            dtype: w[1] as u32,
+        }
+    }
+
+    fn describe(self) -> String {
+        format!("{} elements of {}", self.count, datatype_name(self.dtype))
+    }
+}
+
+/// Which side of a transfer an operation is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dir {
+    /// A send to the peer.
+    Send,
+    /// A receive from the peer.
+    Recv,
+}
+
+/// Compares this rank's operation number `index` (0-based, in the order issued) with the peer's
+/// counterpart; `Err` names both sides. Both ranks compare the same two entries, so both reach
+/// the same verdict.
+pub(crate) fn compare(
+    me: usize,
+    peer: usize,
+    dir: Dir,
+    index: u64,
+    mine: OpDesc,
+    theirs: OpDesc,
+) -> Result<(), String> {
+    if mine == theirs {
+        return Ok(());
+    }
+    let n = index + 1;
+    Err(match dir {
+        Dir::Send => format!(
+            "rank {me}'s send #{n} to rank {peer} is {}, but rank {peer}'s receive #{n} from rank \
+             {me} is {}",
+            mine.describe(),
+            theirs.describe()
+        ),
+        Dir::Recv => format!(
+            "rank {me}'s receive #{n} from rank {peer} is {}, but rank {peer}'s send #{n} to rank \
+             {me} is {}",
+            mine.describe(),
+            theirs.describe()
+        ),
+    })
+}
+
+const CARD_MAGIC: u64 = 0x4844_4f46_4643_4432; // "HDOFFCD2"
+/// Words in an encoded card.
+pub(crate) const CARD_WORDS: usize = 32;
+const PATH_WORDS: usize = CARD_WORDS - 8;
+
+/// What each rank tells every other when a communicator is created: whether it verifies, and
+/// where its mailbox is (see [`super::mailbox`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Card {
+    pub(crate) verified: bool,
+    pub(crate) rank: u32,
+    pub(crate) world: u32,
+    /// A random value also written in the mailbox, so that a peer that opens a file of the same
+    /// name on another host (or a stale one) notices.
+    pub(crate) token: u64,
+    pub(crate) pid: u32,
+    /// The mailbox file, empty when the rank has none (unverified).
+    pub(crate) path: String,
+}
+
+impl Card {
+    /// The card as words, for an all-gather.
+    ///
+    /// # Errors
+    /// The path is too long to fit.
+    pub(crate) fn encode(&self) -> Result<[u64; CARD_WORDS], String> {
+        let bytes = self.path.as_bytes();
+        if bytes.len() > PATH_WORDS * 8 {
+            return Err(format!(
+                "the mailbox path {} is longer than {} bytes; set TMPDIR to a shorter folder",
+                self.path,
+                PATH_WORDS * 8
+            ));
+        }
+        let mut w = [0u64; CARD_WORDS];
+        w[0] = CARD_MAGIC;
+        w[1] = u64::from(self.verified);
+        w[2] = u64::from(self.rank) | (u64::from(self.world) << 32);
+        w[3] = self.token;
+        w[4] = u64::from(self.pid);
+        w[5] = bytes.len() as u64;
+        for (i, chunk) in bytes.chunks(8).enumerate() {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            w[8 + i] = u64::from_le_bytes(b);
+        }
+        Ok(w)
+    }
+
+    /// Reads what [`Card::encode`] wrote.
+    ///
+    /// # Errors
+    /// Not a card of this handoff version.
+    pub(crate) fn decode(w: &[u64]) -> Result<Card, String> {
+        if w.len() != CARD_WORDS || w[0] != CARD_MAGIC || w[1] > 1 || w[5] as usize > PATH_WORDS * 8 {
+            return Err(format!(
+                "a peer's communicator card is not one this handoff version writes ({:x?}); do \
+                 all ranks run the same handoff?",
+                &w[..w.len().min(2)]
+            ));
+        }
+        let mut bytes: Vec<u8> = w[8..].iter().flat_map(|x| x.to_le_bytes()).collect();
+        bytes.truncate(w[5] as usize);
+        Ok(Card {
+            verified: w[1] == 1,
+            rank: w[2] as u32,
+            world: (w[2] >> 32) as u32,
+            token: w[3],
+            pid: w[4] as u32,
+            path: String::from_utf8(bytes).map_err(|e| format!("a peer's mailbox path: {e}"))?,
+        })
+    }
+}
+
+/// Checks that every rank's card agrees with this rank's on what must be the same everywhere.
+///
+/// # Errors
+/// Which ranks disagree, and on what.
+pub(crate) fn check_cards(me: usize, cards: &[Card]) -> Result<(), String> {
+    let world = cards.len();
+    for (r, c) in cards.iter().enumerate() {
+        if c.rank as usize != r || c.world as usize != world {
+            return Err(format!(
+                "rank {r}'s card says rank {} of {}, in a communicator of {world}",
+                c.rank, c.world
+            ));
+        }
+    }
+    let verified: Vec<usize> = (0..world).filter(|&r| cards[r].verified).collect();
+    if !verified.is_empty() && verified.len() != world {
+        let unverified: Vec<usize> = (0..world).filter(|&r| !cards[r].verified).collect();
+        return Err(format!(
+            "ranks {verified:?} verify their operations but ranks {unverified:?} do not (this is \
+             rank {me}); every rank must be created with the same setting, or a verifying rank's \
+             checks would never be answered"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const F32: u32 = 7;
+    const I32: u32 = 2;
+
+    fn op(count: u64, dtype: u32) -> OpDesc {
+        OpDesc { count, dtype }
+    }
+
+    #[test]
+    fn ops_round_trip() {
+        let o = op(4_194_304, F32);
+        assert_eq!(OpDesc::decode(o.encode()), o);
+    }
+
+    #[test]
+    fn matching_ops_pass_on_both_sides() {
+        assert_eq!(compare(0, 1, Dir::Send, 0, op(4, F32), op(4, F32)), Ok(()));
+        assert_eq!(compare(1, 0, Dir::Recv, 0, op(4, F32), op(4, F32)), Ok(()));
+    }
+
+    #[test]
+    fn count_mismatch_names_both_sides_on_both_ranks() {
+        // The measured case of issue 9: a send of n matched with a receive of 3n/4.
+        let at_sender = compare(0, 1, Dir::Send, 2, op(4_194_304, F32), op(3_145_728, F32)).unwrap_err();
+        assert!(
+            at_sender.contains("rank 0's send #3 to rank 1 is 4194304 elements of f32")
+                && at_sender.contains("rank 1's receive #3 from rank 0 is 3145728 elements of f32"),
+            "{at_sender}"
+        );
+        let at_receiver = compare(1, 0, Dir::Recv, 2, op(3_145_728, F32), op(4_194_304, F32)).unwrap_err();
+        assert!(
+            at_receiver.contains("rank 1's receive #3 from rank 0 is 3145728 elements of f32"),
+            "{at_receiver}"
+        );
+    }
+
+    #[test]
+    fn type_mismatch_is_caught() {
+        let e = compare(0, 1, Dir::Send, 0, op(4, F32), op(4, I32)).unwrap_err();
+        assert!(e.contains("f32") && e.contains("i32"), "{e}");
+    }
+
+    #[test]
+    fn cards_round_trip_and_reject_garbage() {
+        let c = Card {
+            verified: true,
+            rank: 3,
+            world: 8,
+            token: 0xdead_beef_1234,
+            pid: 4242,
+            path: "/dev/shm/handoff-4242-abc-r3".into(),
+        };
+        assert_eq!(Card::decode(&c.encode().unwrap()).unwrap(), c);
+        let e = Card::decode(&[1; CARD_WORDS]).unwrap_err();
+        assert!(e.contains("same handoff"), "{e}");
+        let long = Card {
+            path: "x".repeat(400),
+            ..c
+        };
+        assert!(long.encode().is_err());
+    }
+
+    fn card(rank: u32, world: u32, verified: bool) -> Card {
+        Card {
+            verified,
+            rank,
+            world,
+            token: 1,
+            pid: 1,
+            path: String::new(),
+        }
+    }
+
+    #[test]
+    fn ranks_must_agree_on_verification() {
+        // Hole 2 of issue 9: a checked and an unchecked rank would misread each other's traffic.
+        let agree = [card(0, 2, true), card(1, 2, true)];
+        assert_eq!(check_cards(0, &agree), Ok(()));
+        let off = [card(0, 2, false), card(1, 2, false)];
+        assert_eq!(check_cards(1, &off), Ok(()));
+        let mixed = [card(0, 2, true), card(1, 2, false)];
+        let e = check_cards(0, &mixed).unwrap_err();
+        assert!(
+            e.contains("ranks [0] verify") && e.contains("ranks [1] do not"),
+            "{e}"
+        );
+        let wrong_rank = [card(0, 2, true), card(0, 2, true)];
+        assert!(check_cards(0, &wrong_rank).is_err());
+    }
+}

@@ -1,0 +1,271 @@
+//! The holes of issue 9, each shown closed on the GPU: sequences of safe calls that used to
+//! corrupt memory, deliver wrong data or hang, and now return typed errors within a bound.
+//! Hole 5 (a stream shared by threads) is in `tests/threads.rs`, which also builds against the
+//! crate as it was before the fix.
+//!
+//! Reported as ignored where too few GPUs are usable; see `tests/common/mod.rs`.
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::{Gpus, assert_all_eq};
+use handoff::kernels::{self, produced_value};
+use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Error, Stream, UniqueId, group};
+use libtest_mimic::Failed;
+
+fn main() {
+    let g = Gpus::detect();
+    common::run(vec![
+        g.trial(
+            "hole1_short_receive_in_one_process_is_refused",
+            2,
+            short_receive_in_one_process,
+        ),
+        g.trial(
+            "hole1_short_receive_across_threads_is_a_mismatch_on_both",
+            2,
+            short_receive_across_threads,
+        ),
+        g.trial(
+            "hole2_ranks_disagreeing_on_verification_fail_at_creation",
+            2,
+            disagreeing_ranks,
+        ),
+        g.trial(
+            "hole6a_init_all_ranks_driven_from_one_thread_outside_a_group",
+            2,
+            one_thread_outside_a_group,
+        ),
+        g.trial(
+            "hole6b_long_kernel_before_a_transfer_is_not_a_dead_peer",
+            2,
+            long_kernel_before_a_transfer,
+        ),
+        g.trial(
+            "hole6c_host_wait_behind_a_stuck_receive_is_bounded",
+            2,
+            stuck_receive_is_bounded,
+        ),
+    ]);
+}
+
+/// Runs `f` on another thread; fails if it has not returned within `limit` (it would have hung:
+/// the thread is left behind, and the process ends when the tests do).
+fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Failed> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .map_err(|_| format!("{what} did not return within {limit:?}: it hangs").into())
+}
+
+/// Hole 1: a send of n f32 from GPU 0 matched, in one group, with a receive of 3n/4 into the
+/// front of an n-element buffer on GPU 1 (the case measured in release builds, where it
+/// "succeeded" with 2,949,120 of 3,145,728 elements wrong). Now refused before NCCL, nothing
+/// written, and the communicators stay usable.
+fn short_receive_in_one_process() -> Result<(), Failed> {
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let comms = Communicator::init_all(&devs)?; // default options: verified in every profile
+    let (s0, s1) = (Stream::new(&devs[0])?, Stream::new(&devs[1])?);
+    let n = 4_194_304;
+    let mut x = DeviceBuffer::<f32>::zeros(&s0, n)?;
+    kernels::produce(&s0, &mut x, 0)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s1, n)?;
+    let r = group(|g| {
+        g.send(&comms[0], &x, 1, &s0)?;
+        g.recv_range(&comms[1], &mut y, 0..3 * n / 4, 0, &s1)
+    });
+    match r {
+        Err(Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("expected the short receive refused, got {other:?}").into()),
+    }
+    assert_all_eq("y after the refused transfer", &y.to_vec(&s1)?, |_| 0.0)?;
+    group(|g| {
+        g.send(&comms[0], &x, 1, &s0)?;
+        g.recv(&comms[1], &mut y, 0, &s1)
+    })?;
+    assert_all_eq("y after a matching transfer", &y.to_vec(&s1)?, |i| {
+        produced_value(i, 0)
+    })
+}
+
+/// Two ranks of one process, one thread each (the same path as two processes: shared-memory
+/// mailboxes), with default options.
+fn two_threads<T: Send + 'static>(
+    options: [CommOptions; 2],
+    body: impl Fn(Result<Communicator, Error>) -> Result<T, String> + Send + Sync + Clone + 'static,
+) -> Result<[Result<T, String>; 2], Failed> {
+    let id = UniqueId::new()?;
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let (id, body) = (id.clone(), body.clone());
+            let opts = options[rank];
+            std::thread::spawn(move || {
+                let made = Device::new(rank).and_then(|d| Communicator::with_options(&d, 2, rank, &id, opts));
+                body(made)
+            })
+        })
+        .collect();
+    let mut out = handles
+        .into_iter()
+        .map(|h| h.join().unwrap_or_else(|_| Err("panicked".into())));
+    Ok([out.next().unwrap(), out.next().unwrap()])
+}
+
+fn short_receive_across_threads() -> Result<(), Failed> {
+    let n = 4_194_304;
+    let opts = CommOptions::default().with_timeout(Duration::from_secs(20));
+    let results = two_threads([opts, opts], move |made| {
+        let comm = made.map_err(|e| e.to_string())?;
+        let s = Stream::new(comm.device()).map_err(|e| e.to_string())?;
+        let mut x = DeviceBuffer::<f32>::zeros(&s, n).map_err(|e| e.to_string())?;
+        let r = if comm.rank() == 0 {
+            kernels::produce(&s, &mut x, 0).map_err(|e| e.to_string())?;
+            comm.send(&x, 1, &s)
+        } else {
+            comm.recv_range(&mut x, 0..3 * n / 4, 0, &s)
+        };
+        let untouched = x.to_vec(&s).map_err(|e| e.to_string())?.iter().all(|&v| v == 0.0);
+        match r {
+            Err(Error::Mismatch { detail }) => Ok((detail, untouched)),
+            other => Err(format!(
+                "rank {}: expected a mismatch, got {other:?}",
+                comm.rank()
+            )),
+        }
+    })?;
+    for (rank, r) in results.into_iter().enumerate() {
+        let (detail, untouched) = r?;
+        println!("rank {rank}: {detail}");
+        if !detail.contains("4194304") || !detail.contains("3145728") {
+            return Err(format!("rank {rank}'s mismatch does not name both counts: {detail}").into());
+        }
+        if rank == 1 && !untouched {
+            return Err("the receiver's buffer was written".into());
+        }
+    }
+    Ok(())
+}
+
+/// Hole 2: one rank verifying, the other not. Both fail at creation.
+fn disagreeing_ranks() -> Result<(), Failed> {
+    let verified = CommOptions::default().with_timeout(Duration::from_secs(20));
+    // SAFETY: the communicator must not be made; if it were, nothing is sent on it.
+    let unverified = unsafe { verified.unverified() };
+    let results = two_threads([verified, unverified], |made| match made {
+        Err(Error::Setup { detail }) => Ok(detail),
+        other => Err(format!("expected a set-up error, got {other:?}")),
+    })?;
+    for (rank, r) in results.into_iter().enumerate() {
+        println!("rank {rank}: {}", r?);
+    }
+    Ok(())
+}
+
+/// Hole 6a: ranks of one `init_all` driven by one thread, a send outside a group. NCCL's
+/// `ncclGroupEnd` would wait for the peer to connect, which this thread would post next.
+fn one_thread_outside_a_group() -> Result<(), Failed> {
+    let r = within(Duration::from_secs(30), "a send outside a group", || {
+        let devs = [Device::new(0)?, Device::new(1)?];
+        let comms = Communicator::init_all(&devs)?;
+        let s0 = Stream::new(&devs[0])?;
+        let x = DeviceBuffer::<f32>::zeros(&s0, 1024)?;
+        let r = comms[0].send(&x, 1, &s0);
+        let ok_after = comms[0].broken_reason().is_none();
+        Ok::<_, Error>((r, ok_after))
+    })??;
+    match r {
+        (Err(Error::InvalidArgument(m)), true) => {
+            println!("refused at once: {m}");
+            Ok(())
+        }
+        other => Err(format!("expected InvalidArgument with the communicator intact, got {other:?}").into()),
+    }
+}
+
+/// Hole 6b: 3 s of GPU work queued before a transfer on a communicator whose timeout is 1 s.
+/// Verification does not wait for the GPU (the exchange it replaced synchronised the stream and
+/// took the kernel for a dead peer), and the watchdog counts from when the transfer can start:
+/// the transfer completes, nothing is aborted.
+fn long_kernel_before_a_transfer() -> Result<(), Failed> {
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let opts = CommOptions::default().with_timeout(Duration::from_secs(1));
+    let comms = Communicator::init_all_with(&devs, opts)?;
+    let (s0, s1) = (Stream::new(&devs[0])?, Stream::new(&devs[1])?);
+    let mut x = DeviceBuffer::<f32>::zeros(&s0, 1 << 16)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s1, 1 << 16)?;
+    // A first transfer connects the pair and loads NCCL's kernels: CUDA's lazy loading of a
+    // kernel waits for work already running on the device, which would hold up the queueing
+    // below for reasons that have nothing to do with handoff.
+    group(|g| {
+        g.send(&comms[0], &x, 1, &s0)?;
+        g.recv(&comms[1], &mut y, 0, &s1)
+    })?;
+    let t = Instant::now();
+    kernels::busy(&s0, Duration::from_secs(3))?;
+    kernels::produce(&s0, &mut x, 5)?;
+    group(|g| {
+        g.send(&comms[0], &x, 1, &s0)?;
+        g.recv(&comms[1], &mut y, 0, &s1)
+    })?;
+    let queued = t.elapsed();
+    assert_all_eq("y", &y.to_vec(&s1)?, |i| produced_value(i, 5))?;
+    println!("queued in {queued:?}, received after {:?}", t.elapsed());
+    if queued > Duration::from_millis(500) {
+        return Err(format!("queueing waited for the GPU: {queued:?}").into());
+    }
+    for c in &comms {
+        if let Some(r) = c.broken_reason() {
+            return Err(format!("rank {} was aborted: {r}", c.rank()).into());
+        }
+        c.synchronize()?;
+    }
+    Ok(())
+}
+
+/// Hole 6c: rank 0 posts its send (verified) behind 6 s of GPU work, then aborts its
+/// communicator, so the send never runs. Rank 1's receive can never complete; its host read of
+/// the buffer must still return, with an error, once the watchdog aborts rank 1 (timeout 2 s).
+fn stuck_receive_is_bounded() -> Result<(), Failed> {
+    let opts = CommOptions::default().with_timeout(Duration::from_secs(2));
+    let results = two_threads([opts, opts], |made| {
+        let comm = made.map_err(|e| e.to_string())?;
+        let s = Stream::new(comm.device()).map_err(|e| e.to_string())?;
+        let mut x = DeviceBuffer::<f32>::zeros(&s, 1 << 16).map_err(|e| e.to_string())?;
+        if comm.rank() == 0 {
+            kernels::busy(&s, Duration::from_secs(6)).map_err(|e| e.to_string())?;
+            comm.send(&x, 1, &s).map_err(|e| e.to_string())?;
+            comm.abort().map_err(|e| e.to_string())?;
+            Ok(("rank 0 sent, then aborted".to_string(), Duration::ZERO))
+        } else {
+            comm.recv(&mut x, 0, &s).map_err(|e| e.to_string())?;
+            let t = Instant::now();
+            let r = x.to_vec(&s);
+            let took = t.elapsed();
+            match r {
+                Err(Error::CommunicatorUnusable { reason }) => Ok((reason, took)),
+                other => Err(format!("rank 1's read returned {other:?} after {took:?}")),
+            }
+        }
+    });
+    let results = within(
+        Duration::from_secs(40),
+        "the host read behind a stuck receive",
+        move || results,
+    )??;
+    for (rank, r) in results.into_iter().enumerate() {
+        let (what, took) = r?;
+        println!("rank {rank}: {what} ({took:?})");
+        if rank == 1 && took > Duration::from_secs(5) {
+            return Err(format!("rank 1's read took {took:?} with a 2 s timeout").into());
+        }
+    }
+    Ok(())
+}
