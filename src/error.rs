@@ -9,7 +9,8 @@ pub enum Error {
     /// A shared library could not be opened at all.
     #[error(
         "could not open {library}; tried: {tried}. Install {expected}, or set {variable} to the \
-         full path of the file"
+         full path of the file, or leave it unset and set HANDOFF_TOOLS_DIR to the folder \
+         NVIDIA's wheels were installed into (pip install --target)"
     )]
     LibraryNotFound {
         /// The library's soname, e.g. `libcudart.so.13`.
