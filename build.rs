@@ -212,6 +212,30 @@ fn main() {
             embedded.display().to_string()
         );
     }
+    // A committed PTX whose kernel is gone would ship unused: check and write mode remove it.
+    if matches!(mode, Mode::Check | Mode::Write) {
+        let orphans: Vec<PathBuf> = std::fs::read_dir(&committed)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "ptx"))
+            .filter(|p| {
+                !kernels
+                    .iter()
+                    .any(|(stem, _)| p.file_stem() == Some(stem.as_ref()))
+            })
+            .collect();
+        for orphan in orphans {
+            if mode == Mode::Check {
+                fail(
+                    &format!("{} has no kernels/*.cu", orphan.display()),
+                    &["delete it, or run `HANDOFF_WRITE_GENERATED=1 cargo build`".into()],
+                );
+            }
+            std::fs::remove_file(&orphan).unwrap_or_else(|e| panic!("removing {}: {e}", orphan.display()));
+            println!("cargo:warning=handoff: removed {}", orphan.display());
+        }
+    }
     if let Err(problem) = &nvcc {
         let arch = match env::var("HANDOFF_PTX_ARCH") {
             Ok(a) if a != "compute_75" => format!("; it is for compute_75, HANDOFF_PTX_ARCH={a} is ignored"),
@@ -427,9 +451,7 @@ fn find_nccl_include(tools: &Path, cuda_include: Option<&Path>) -> Result<PathBu
         "the wheels in HANDOFF_TOOLS_DIR".to_string(),
         tools.join("nvidia/nccl/include"),
     ));
-    search("nccl.h", cands, |d| {
-        d.join("nccl.h").is_file().then_some(()).ok_or_default()
-    })
+    search("nccl.h", cands, |d| is_file(&d.join("nccl.h")))
 }
 
 fn find_nvcc(tools: &Path) -> Result<PathBuf, String> {
@@ -460,17 +482,12 @@ fn find_nvcc(tools: &Path) -> Result<PathBuf, String> {
         "PATH".to_string(),
         on_path.unwrap_or_else(|| PathBuf::from("nvcc")),
     ));
-    search("nvcc", cands, |p| p.is_file().then_some(()).ok_or_default())
+    search("nvcc", cands, is_file)
 }
 
-/// `Option<()>` to `Result<(), String>` with no reason (the search names the path already).
-trait OkOrDefault {
-    fn ok_or_default(self) -> Result<(), String>;
-}
-impl OkOrDefault for Option<()> {
-    fn ok_or_default(self) -> Result<(), String> {
-        self.ok_or_else(String::new)
-    }
+/// A probe for [`search`]: the file exists (no reason otherwise: the search names the path).
+fn is_file(p: &Path) -> Result<(), String> {
+    if p.is_file() { Ok(()) } else { Err(String::new()) }
 }
 
 /// The bindings as `(file name, text)`, or why they cannot be generated here: a header or
