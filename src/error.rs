@@ -9,7 +9,8 @@ pub enum Error {
     /// A shared library could not be opened at all.
     #[error(
         "could not open {library}; tried: {tried}. Install {expected}, or set {variable} to the \
-         full path of the file"
+         full path of the file, or leave it unset and set HANDOFF_TOOLS_DIR to the folder \
+         NVIDIA's wheels were installed into (pip install --target)"
     )]
     LibraryNotFound {
         /// The library's soname, e.g. `libcudart.so.13`.
@@ -67,14 +68,42 @@ pub enum Error {
         last_error: String,
     },
 
-    /// No CUDA device can be used.
+    /// The driver is there but no GPU can be used, or not the one asked for.
     #[error(
-        "no usable CUDA device: {reason}. Check `nvidia-smi`, the driver (CUDA 13 needs driver \
-         580 or newer) and CUDA_VISIBLE_DEVICES"
+        "no usable CUDA device: {reason}. Check that `nvidia-smi` lists the GPU and that \
+         CUDA_VISIBLE_DEVICES, if set, names it"
     )]
     NoDevice {
         /// Why none is usable.
         reason: String,
+    },
+
+    /// No NVIDIA driver is installed (`libcuda.so.1` cannot be loaded), or the one found is the
+    /// CUDA toolkit's stub of it. [`Device::count`](crate::Device::count) tells this apart from
+    /// [`Error::DriverTooOld`]; both come from `cudaErrorInsufficientDriver`.
+    #[error(
+        "no NVIDIA driver found: {detail}. Install the NVIDIA driver (580 or newer for CUDA 13) \
+         on a machine with an NVIDIA GPU, or, in a container, start it with the GPUs and the \
+         driver passed in (`docker run --gpus all` with the NVIDIA Container Toolkit); \
+         `nvidia-smi` works once the driver is there"
+    )]
+    NoDriver {
+        /// What was observed.
+        detail: String,
+    },
+
+    /// The installed driver is older than the CUDA runtime that was loaded.
+    #[error(
+        "the NVIDIA driver supports CUDA up to {}.{} but the CUDA runtime loaded is {}.{}: \
+         install driver 580 or newer (CUDA 13.0) or, on a data-centre GPU, NVIDIA's CUDA \
+         forward-compatibility package (cuda-compat-13-0)",
+        .driver / 1000, .driver % 1000 / 10, .runtime / 1000, .runtime % 1000 / 10
+    )]
+    DriverTooOld {
+        /// `cudaDriverGetVersion`, e.g. `12080` for 12.8.
+        driver: i32,
+        /// `cudaRuntimeGetVersion`, e.g. `13000` for 13.0.
+        runtime: i32,
     },
 
     /// A host-side wait passed its deadline: a peer that never came, an operation that never
@@ -150,10 +179,21 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 fn cuda_hint(code: i32) -> &'static str {
     match code {
         2 => ". The GPU is out of memory: free buffers or use smaller ones",
-        35 => ". The driver is older than CUDA 13's runtime needs: install driver 580 or newer",
+        34 => {
+            ". libcuda.so.1 is the CUDA toolkit's stub, not a driver: take the `stubs` folder off \
+               LD_LIBRARY_PATH and install the NVIDIA driver"
+        }
+        35 => {
+            ". No NVIDIA driver was found, or it is older than the CUDA runtime (Device::count \
+               says which): check `nvidia-smi`; CUDA 13 needs driver 580 or newer"
+        }
         100 => ". No GPU is visible: check nvidia-smi and CUDA_VISIBLE_DEVICES",
         101 => ". The device ordinal is out of range: see Device::count()",
         222 => ". The PTX is newer than the driver accepts: build with an nvcc no newer than the driver",
+        803 => {
+            ". The NVIDIA kernel module and libcuda.so.1 are different versions: reboot after a \
+                driver update, or reinstall the driver"
+        }
         _ => "",
     }
 }

@@ -397,6 +397,33 @@ pub unsafe fn launch_kernel(
     })
 }
 
+/// `cudaDriverGetVersion`: the CUDA version the installed driver supports (e.g. `13000` for
+/// 13.0), or `0` when no driver is installed (`libcuda.so.1` cannot be loaded).
+///
+/// # Errors
+/// The runtime cannot be loaded, or the call fails.
+pub fn driver_version() -> Result<i32> {
+    let mut v = 0;
+    // SAFETY: writes one int through a valid pointer; needs no driver.
+    check("cudaDriverGetVersion", unsafe {
+        lib()?.cudaDriverGetVersion(&mut v)
+    })?;
+    Ok(v)
+}
+
+/// `cudaRuntimeGetVersion`: the version of the loaded CUDA runtime (e.g. `13000` for 13.0).
+///
+/// # Errors
+/// The runtime cannot be loaded, or the call fails.
+pub fn runtime_version() -> Result<i32> {
+    let mut v = 0;
+    // SAFETY: writes one int through a valid pointer; needs no driver.
+    check("cudaRuntimeGetVersion", unsafe {
+        lib()?.cudaRuntimeGetVersion(&mut v)
+    })?;
+    Ok(v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

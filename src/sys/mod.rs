@@ -1,6 +1,12 @@
 //! Generated FFI bindings (bindgen, in `build.rs`) and the run-time loader that opens the
 //! libraries they call.
 //!
+//! The bindings and the PTX are generated at build time where the CUDA 13 headers, `nccl.h`,
+//! libclang and nvcc are found; elsewhere (docs.rs, a machine without CUDA) the build uses the
+//! copies in `src/sys/generated/`, which the same code generated and CI keeps equal to what it
+//! generates (`HANDOFF_CHECK_GENERATED=1`). Regenerate them with
+//! `bash scripts/setup.sh && HANDOFF_WRITE_GENERATED=1 cargo build`.
+//!
 //! Nothing here is checked: every function returns the raw status code. [`crate::result`] turns
 //! those into [`crate::Error`]s; the safe API sits above that.
 
