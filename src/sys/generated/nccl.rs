@@ -199,6 +199,14 @@ pub struct NcclLib {
         comm: ncclComm_t,
         rank: *mut ::std::os::raw::c_int,
     ) -> ncclResult_t,
+    pub ncclAllGather: unsafe extern "C" fn(
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        sendcount: usize,
+        datatype: ncclDataType_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t,
     pub ncclSend: unsafe extern "C" fn(
         sendbuff: *const ::std::os::raw::c_void,
         count: usize,
@@ -249,6 +257,7 @@ impl NcclLib {
         let ncclCommCount = __library.get(b"ncclCommCount\0").map(|sym| *sym)?;
         let ncclCommCuDevice = __library.get(b"ncclCommCuDevice\0").map(|sym| *sym)?;
         let ncclCommUserRank = __library.get(b"ncclCommUserRank\0").map(|sym| *sym)?;
+        let ncclAllGather = __library.get(b"ncclAllGather\0").map(|sym| *sym)?;
         let ncclSend = __library.get(b"ncclSend\0").map(|sym| *sym)?;
         let ncclRecv = __library.get(b"ncclRecv\0").map(|sym| *sym)?;
         let ncclGroupStart = __library.get(b"ncclGroupStart\0").map(|sym| *sym)?;
@@ -269,6 +278,7 @@ impl NcclLib {
             ncclCommCount,
             ncclCommCuDevice,
             ncclCommUserRank,
+            ncclAllGather,
             ncclSend,
             ncclRecv,
             ncclGroupStart,
@@ -359,6 +369,17 @@ impl NcclLib {
         rank: *mut ::std::os::raw::c_int,
     ) -> ncclResult_t {
         (self.ncclCommUserRank)(comm, rank)
+    }
+    pub unsafe fn ncclAllGather(
+        &self,
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        sendcount: usize,
+        datatype: ncclDataType_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t {
+        (self.ncclAllGather)(sendbuff, recvbuff, sendcount, datatype, comm, stream)
     }
     pub unsafe fn ncclSend(
         &self,
