@@ -74,6 +74,14 @@ if [ -d .device/bypass ]; then
   done
   grep -E '^(== bypass|test result:|    [a-z0-9_]+$)' "$out/bypass.log" | tee -a "$log"
 fi
+# Any test binaries built against an older commit (e.g. to show a test failing before its fix),
+# staged by hand into .device/old/: expected to FAIL.
+if [ -d .device/old ]; then
+  for t in .device/old/*; do
+    say "== old build of $(basename "$t") (expected to fail)"
+    "$t" --test-threads=1 2>&1 | tail -8 | tee -a "$log"
+  done
+fi
 if [ ${#failed[@]} = 0 ]; then
   say "== ALL PASSED"
 else
