@@ -156,7 +156,7 @@ impl<T: Pod> DeviceBuffer<T> {
             }
         })?;
         // The copy reads `data`, which the caller may reuse once this returns.
-        stream.synchronize()
+        stream.synchronize_raw()
     }
 
     /// Copies the buffer to a new host vector, on `stream`, after the last write to it. Blocks

@@ -1,7 +1,7 @@
 //! GPUs: [`Device`], and the per-device state the safe API shares (an event pool and the stream
 //! on which buffers are freed).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use once_cell::sync::OnceCell;
 
@@ -80,6 +80,15 @@ pub(crate) struct PooledEvent {
     /// Set when the work this event follows was cut short: an NCCL operation whose
     /// communicator was aborted before it completed. Host reads that waited for it report it.
     poison: OnceCell<String>,
+    /// The communicator whose work this event follows, asked at a host read whether that work
+    /// may have been cut short since (an NCCL error its watchdog has not yet seen).
+    origin: OnceCell<Weak<dyn Origin>>,
+}
+
+/// Where a tracking event's work came from, when something can cut that work short.
+pub(crate) trait Origin: Send + Sync {
+    /// Why work of this origin may have been cut short, found now; `None` if nothing is wrong.
+    fn failure(&self) -> Option<String>;
 }
 
 impl PooledEvent {
@@ -88,9 +97,22 @@ impl PooledEvent {
         let _ = self.poison.set(reason.to_string());
     }
 
-    /// Why the work before this event was cut short, if it was.
-    pub(crate) fn poisoned(&self) -> Option<&str> {
-        self.poison.get().map(String::as_str)
+    /// Says which communicator's work this event follows.
+    pub(crate) fn set_origin(&self, origin: Weak<dyn Origin>) {
+        let _ = self.origin.set(origin);
+    }
+
+    /// Why the work before this event was cut short, if it was. Called once the event has
+    /// completed.
+    pub(crate) fn poisoned(&self) -> Option<String> {
+        if let Some(p) = self.poison.get() {
+            return Some(p.clone());
+        }
+        self.origin
+            .get()?
+            .upgrade()?
+            .failure()
+            .or_else(|| self.poison.get().cloned())
     }
 }
 
@@ -226,6 +248,7 @@ impl Device {
             raw,
             device: self.inner.clone(),
             poison: OnceCell::new(),
+            origin: OnceCell::new(),
         }))
     }
 }

@@ -1,22 +1,23 @@
 //! The one path by which tracked GPU work is queued: kernel launches, copies, fills, and NCCL
 //! groups all go through [`enqueue`], so there is one recording rule and one fallback.
 //!
-//! 1. Every use's buffer must be on its stream's device.
-//! 2. Each stream waits, on the GPU, for the earlier uses its new use conflicts with
+//! 1. Every use's buffer must be on its stream's device ([`check_devices`]).
+//! 2. The streams' [`RecordOrder`]s are held, in stream-id order, for the whole enqueue: a
+//!    stream's tracked operations are queued one at a time, whatever the threads.
+//! 3. Each stream waits, on the GPU, for the earlier uses its new use conflicts with
 //!    ([`crate::tracking`]); the host does not block.
-//! 3. `submit` queues the work (a launch; or an NCCL group, which queues nothing before
+//! 4. `submit` queues the work (a launch; or an NCCL group, which queues nothing before
 //!    `ncclGroupEnd`, so the events below are recorded only after the work is really queued).
-//! 4. On each stream used, one event is recorded after the work and stored as the latest use of
-//!    every buffer used there, the two steps serialised per stream ([`RecordOrder`]) so that the
-//!    newest event on a stream always wins. If recording fails, the host waits for the stream
-//!    instead, so no queued use is left untracked.
+//! 5. On each stream used, one event is recorded after the work and stored as the latest use of
+//!    every buffer used there. If that fails, the host waits for the stream instead, so no
+//!    queued use is left untracked; every stream is handled even after an error.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::device::{Device, PooledEvent};
 use crate::error::Result;
 use crate::stream::Stream;
-use crate::tracking::{Access, UseTracker};
+use crate::tracking::{Access, Held, UseTracker, record_and_store};
 
 /// The pending uses of one piece of device memory, and the device it lives on.
 pub(crate) struct Tracked {
@@ -70,10 +71,15 @@ pub(crate) fn check_devices(uses: &[TrackedUse<'_>]) -> Result<()> {
     Ok(())
 }
 
-/// Queues one operation that uses the given memory (steps 2 to 4 above; step 1 is
+/// What an NCCL group's streams ran before it: the group can start on the GPU only once these
+/// have completed (the stream's previous tracked work, and the uses it was made to wait for).
+/// The communicator's watchdog counts its deadline from there.
+pub(crate) type Before = Vec<Arc<PooledEvent>>;
+
+/// Queues one operation that uses the given memory (steps 2 to 5 above; step 1 is
 /// [`check_devices`], which callers run before anything else they check). `recorded` is called
-/// with each stream used and the event recorded after the work there; `nccl` says the work is
-/// an NCCL group (for [`Stream::synchronize`]'s report of an aborted one).
+/// with each stream used, the event recorded after the work there, and (for `nccl` work, which
+/// [`Stream::synchronize`] also reports on) what the stream ran before it.
 ///
 /// The uses are recorded even when `submit` fails: whatever part of the work reached a stream
 /// stays tracked.
@@ -81,39 +87,67 @@ pub(crate) fn enqueue<R>(
     uses: &[TrackedUse<'_>],
     nccl: bool,
     submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
-    mut recorded: impl FnMut(&Stream, &Arc<PooledEvent>),
+    mut recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
 ) -> Result<R> {
+    // Each distinct stream once, in first-use order (few uses: a linear scan is fine).
+    let mut streams: Vec<&Stream> = Vec::with_capacity(2);
+    for u in uses {
+        if !streams.iter().any(|s| std::ptr::eq(*s, u.stream)) {
+            streams.push(u.stream);
+        }
+    }
+    let index = |s: &Stream| streams.iter().position(|t| std::ptr::eq(*t, s)).expect("listed");
+    // Held in stream-id order, so that threads queueing on overlapping streams cannot deadlock.
+    let mut by_id: Vec<usize> = (0..streams.len()).collect();
+    by_id.sort_by_key(|&i| streams[i].id());
+    let mut held: Vec<Option<Held<'_>>> = (0..streams.len()).map(|_| None).collect();
+    for i in by_id {
+        held[i] = Some(streams[i].order().hold());
+    }
+    let mut before: Vec<Before> = if nccl {
+        streams
+            .iter()
+            .map(|s| s.last_recorded().into_iter().collect())
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut current = CurrentDevice::default();
     for u in uses {
         current.set(u.stream.device())?;
-        u.stream.wait_for_conflicts(u.tracked, u.access)?;
+        let sink = before.get_mut(index(u.stream));
+        u.stream.wait_for_conflicts(u.tracked, u.access, sink)?;
     }
     let out = submit(&mut current);
-    // Each distinct stream once, in first-use order (few uses: a linear scan is fine). In
-    // reverse, so that with one device per stream the thread, left on the last operation's
+    // In reverse, so that with one device per stream the thread, left on the last operation's
     // device by the submission, switches devices once fewer.
-    for (i, u) in uses.iter().enumerate().rev() {
-        let first = uses.iter().position(|v| std::ptr::eq(v.stream, u.stream)) == Some(i);
-        if !first {
-            continue;
-        }
-        let s = u.stream;
-        current.set(s.device())?;
-        let stored = s.order().record_and_store(
-            || s.record_event(),
-            |event| {
-                for v in uses.iter().filter(|v| std::ptr::eq(v.stream, s)) {
-                    v.tracked.lock().record(s.id(), v.access, event.clone());
-                }
-                s.note_recorded(event, nccl);
-            },
-        );
+    let mut failed = None;
+    for (i, s) in streams.iter().enumerate().rev() {
+        let stored = current.set(s.device()).and_then(|()| {
+            record_and_store(
+                held[i].as_ref().expect("held above"),
+                || s.record_event(),
+                |event| {
+                    for v in uses.iter().filter(|v| std::ptr::eq(v.stream, *s)) {
+                        v.tracked.lock().record(s.id(), v.access, event.clone());
+                    }
+                    s.note_recorded(event, nccl);
+                },
+            )
+        });
         match stored {
-            Ok(event) => recorded(s, &event),
-            // The work is queued but untracked. Once it has completed it needs no tracking, and
-            // the trackers' older entries stay correct.
-            Err(_) => s.synchronize()?,
+            Ok(event) => recorded(s, &event, before.get(i).unwrap_or(&Vec::new())),
+            Err(e) => {
+                // The work is queued but untracked. Once it has completed it needs no tracking,
+                // and the trackers' older entries stay correct. If even waiting fails, the
+                // device is in CUDA's sticky error state, where no further work runs.
+                let _ = s.synchronize_raw();
+                failed.get_or_insert(e);
+            }
         }
     }
-    out
+    match (out, failed) {
+        (Ok(r), None) => Ok(r),
+        (Err(e), _) | (Ok(_), Some(e)) => Err(e),
+    }
 }

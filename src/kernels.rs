@@ -80,8 +80,17 @@ fn grid_for(n: usize) -> u32 {
     (n as u64).div_ceil(u64::from(BLOCK)).clamp(1, MAX_GRID) as u32
 }
 
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+/// The longest wait [`busy`] and [`delayed_copy`] accept: a stream held for longer is a hang in
+/// all but name.
+pub const MAX_WAIT: Duration = Duration::from_secs(600);
+
+fn nanos(d: Duration) -> Result<u64> {
+    if d > MAX_WAIT {
+        return Err(crate::Error::InvalidArgument(format!(
+            "a GPU-side wait of {d:?} is longer than the {MAX_WAIT:?} allowed"
+        )));
+    }
+    Ok(d.as_nanos() as u64)
 }
 
 fn arg<T>(v: &mut T) -> *mut c_void {
@@ -145,10 +154,11 @@ pub fn twice(stream: &Stream, x: &DeviceBuffer<f32>, y: &mut DeviceBuffer<f32>) 
 /// Work C: keeps one GPU thread busy for `duration` on `stream`, touching no memory.
 ///
 /// # Errors
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a duration over [`MAX_WAIT`];
 /// CUDA errors.
 pub fn busy(stream: &Stream, duration: Duration) -> Result<()> {
     let k = kernels(stream)?.busy;
-    let mut ns = nanos(duration);
+    let mut ns = nanos(duration)?;
     stream.enqueue(&[], |s| {
         // SAFETY: the argument matches `handoff_busy(u64)`.
         unsafe { cu::launch_kernel(k, 1, 1, &mut [arg(&mut ns)], s) }
@@ -177,7 +187,7 @@ pub fn delayed_copy(
         src.as_raw_ptr(),
         dst.as_raw_mut_ptr(),
         src.len() as u64,
-        nanos(delay),
+        nanos(delay)?,
     );
     stream.enqueue(
         &[(src.tracked(), Access::Read), (dst.tracked(), Access::Write)],
@@ -211,6 +221,13 @@ mod tests {
     fn produced_values_stay_exact_in_f32() {
         assert_eq!(produced_value((1 << 24) - 1, 0), 16_777_216.0);
         assert_eq!(produced_value(1 << 24, 0), 1.0);
+    }
+
+    #[test]
+    fn gpu_waits_are_bounded() {
+        assert_eq!(nanos(Duration::from_millis(3)).unwrap(), 3_000_000);
+        assert!(nanos(MAX_WAIT).is_ok());
+        assert!(nanos(Duration::MAX).is_err());
     }
 
     #[test]

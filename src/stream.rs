@@ -7,7 +7,7 @@ use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::result as cu;
 use crate::sys::cudart::{cudaEvent_t, cudaStream_t};
-use crate::tracking::{Access, RecordOrder, StreamId};
+use crate::tracking::{Access, RecordOrder, StreamId, record_and_store};
 
 /// A CUDA stream: a queue of GPU work that runs in order.
 ///
@@ -93,9 +93,20 @@ impl Stream {
     /// last NCCL operation queued here was cut short by its communicator's abort.
     pub fn synchronize(&self) -> Result<()> {
         let nccl = self.last().nccl.clone();
-        // SAFETY: the handle is live for as long as `self`.
-        unsafe { cu::stream_synchronize(self.raw) }?;
-        check_poison(nccl.as_deref())
+        self.synchronize_raw()?;
+        let r = check_poison(nccl.as_deref());
+        if r.is_err() {
+            // Reported once: later waits on the stream are about later work.
+            let mut last = self.last();
+            if last
+                .nccl
+                .as_ref()
+                .is_some_and(|e| nccl.as_ref().is_some_and(|n| Arc::ptr_eq(e, n)))
+            {
+                last.nccl = None;
+            }
+        }
+        r
     }
 
     fn last(&self) -> MutexGuard<'_, Last> {
@@ -184,19 +195,18 @@ impl Stream {
             .collect();
         engine::check_devices(&uses)?;
         if !uses.is_empty() {
-            return engine::enqueue(&uses, false, |_| op(self.raw), |_, _| {});
+            return engine::enqueue(&uses, false, |_| op(self.raw), |_, _, _| {});
         }
         // Work that touches no buffer: nothing to track, but later work on this stream starts
         // only after it, which a communicator's watchdog must know (its deadline for an
         // operation counts from the stream's previous work completing).
         self.device.set_current()?;
+        let held = self.order.hold();
         let out = op(self.raw)?;
-        let recorded = self
-            .order
-            .record_and_store(|| self.record_event(), |e| self.note_recorded(e, false));
+        let recorded = record_and_store(&held, || self.record_event(), |e| self.note_recorded(e, false));
         if recorded.is_err() {
             // Without the event, wait for the work instead, as the engine does.
-            self.synchronize()?;
+            self.synchronize_raw()?;
         }
         Ok(out)
     }
@@ -211,14 +221,28 @@ impl Stream {
     }
 
     /// Makes this stream wait, on the GPU, for the uses of `t` that an `access` here conflicts
-    /// with. The stream's device must be current.
-    pub(crate) fn wait_for_conflicts(&self, t: &Tracked, access: Access) -> Result<()> {
+    /// with, adding them to `waited` if given. The stream's device must be current.
+    pub(crate) fn wait_for_conflicts(
+        &self,
+        t: &Tracked,
+        access: Access,
+        mut waited: Option<&mut Vec<Arc<PooledEvent>>>,
+    ) -> Result<()> {
         let tracker = t.lock();
         for e in tracker.waits(self.id, access) {
             // SAFETY: the stream is live; the event is kept alive by the tracker.
             unsafe { cu::stream_wait_event(self.raw, e.raw)? };
+            if let Some(w) = waited.as_deref_mut() {
+                w.push(e.clone());
+            }
         }
         Ok(())
+    }
+
+    /// Blocks until the stream's work has completed, without reporting an NCCL abort.
+    pub(crate) fn synchronize_raw(&self) -> Result<()> {
+        // SAFETY: the handle is live for as long as `self`.
+        unsafe { cu::stream_synchronize(self.raw) }
     }
 
     /// A pooled event recorded here now.
@@ -232,7 +256,7 @@ impl Stream {
 
 /// Ok unless the work before `event` was an NCCL operation cut short by an abort.
 pub(crate) fn check_poison(event: Option<&PooledEvent>) -> Result<()> {
-    match event.and_then(PooledEvent::poisoned) {
+    match event.and_then(|e| e.poisoned()) {
         Some(reason) => Err(Error::CommunicatorUnusable {
             reason: format!("an NCCL operation this wait depends on did not complete: {reason}"),
         }),

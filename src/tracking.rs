@@ -153,26 +153,34 @@ impl<E> UseTracker<E> {
 ///
 /// Without it, two threads sharing a stream can interleave as: T1 records E1, T2 records E2 and
 /// stores it, T1 stores E1 over it. The slot then holds E1, which does not cover T2's use, and a
-/// later write on another stream waits for E1 alone (issue 9, hole 5).
+/// later write on another stream waits for E1 alone (issue 9, hole 5). The engine holds it for
+/// its whole enqueue, so a stream's tracked operations are queued one at a time.
 #[derive(Debug, Default)]
 pub(crate) struct RecordOrder {
     lock: std::sync::Mutex<()>,
 }
 
+/// Proof that the caller holds a stream's [`RecordOrder`].
+pub(crate) type Held<'a> = std::sync::MutexGuard<'a, ()>;
+
 impl RecordOrder {
-    /// Runs `record`, then `store` with what it returned, with no other `record_and_store` of
-    /// this stream in between.
-    pub(crate) fn record_and_store<E, X>(
-        &self,
-        record: impl FnOnce() -> Result<E, X>,
-        store: impl FnOnce(&E),
-    ) -> Result<E, X> {
+    /// Holds the stream's order until the guard is dropped.
+    pub(crate) fn hold(&self) -> Held<'_> {
         // A panic inside cannot leave anything half-done that the next caller relies on.
-        let _order = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let event = record()?;
-        store(&event);
-        Ok(event)
+        self.lock.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// Runs `record`, then `store` with what it returned, while the caller holds the stream's
+/// order (`_held`): no other recording on the stream comes in between.
+pub(crate) fn record_and_store<E, X>(
+    _held: &Held<'_>,
+    record: impl FnOnce() -> Result<E, X>,
+    store: impl FnOnce(&E),
+) -> Result<E, X> {
+    let event = record()?;
+    store(&event);
+    Ok(event)
 }
 
 #[cfg(test)]
@@ -297,7 +305,8 @@ mod tests {
                 let (order, tracker, clock, sync) =
                     (order.clone(), tracker.clone(), clock.clone(), t1_recorded.clone());
                 std::thread::spawn(move || {
-                    order.record_and_store(
+                    record_and_store(
+                        &order.hold(),
                         || {
                             let e = clock.fetch_add(1, Ordering::SeqCst) + 1;
                             sync.wait();
@@ -310,12 +319,12 @@ mod tests {
                 })
             };
             t1_recorded.wait();
-            order
-                .record_and_store(
-                    || Ok::<u32, ()>(clock.fetch_add(1, Ordering::SeqCst) + 1),
-                    |&e| tracker.lock().unwrap().record(S1, Access::Read, e),
-                )
-                .unwrap();
+            record_and_store(
+                &order.hold(),
+                || Ok::<u32, ()>(clock.fetch_add(1, Ordering::SeqCst) + 1),
+                |&e| tracker.lock().unwrap().record(S1, Access::Read, e),
+            )
+            .unwrap();
             t1.join().unwrap().unwrap();
             let kept: Vec<u32> = tracker.lock().unwrap().uses().map(|u| u.event).collect();
             assert_eq!(kept, [2], "the read slot must hold the newest event (2)");

@@ -34,6 +34,11 @@ fn main() {
             disagreeing_ranks,
         ),
         g.trial(
+            "init_all_groups_are_matched_in_both_directions",
+            2,
+            both_directions_matched,
+        ),
+        g.trial(
             "hole6a_init_all_ranks_driven_from_one_thread_outside_a_group",
             2,
             one_thread_outside_a_group,
@@ -94,6 +99,33 @@ fn short_receive_in_one_process() -> Result<(), Failed> {
     assert_all_eq("y after a matching transfer", &y.to_vec(&s1)?, |i| {
         produced_value(i, 0)
     })
+}
+
+/// Within one group of `init_all` ranks, rank 0 receives from rank 1 while rank 1 only sends to
+/// and receives from itself: refused before anything is published or posted (NCCL would wait
+/// forever for rank 0's receive), and the communicators stay usable.
+fn both_directions_matched() -> Result<(), Failed> {
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let comms = Communicator::init_all(&devs)?;
+    let (s0, s1) = (Stream::new(&devs[0])?, Stream::new(&devs[1])?);
+    let a = DeviceBuffer::<f32>::zeros(&s1, 16)?;
+    let mut b = DeviceBuffer::<f32>::zeros(&s1, 16)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s0, 16)?;
+    let r = group(|g| {
+        g.recv(&comms[0], &mut y, 1, &s0)?;
+        g.send(&comms[1], &a, 1, &s1)?;
+        g.recv(&comms[1], &mut b, 1, &s1)
+    });
+    match r {
+        Err(Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("expected InvalidArgument, got {other:?}").into()),
+    }
+    for c in &comms {
+        if let Some(r) = c.broken_reason() {
+            return Err(format!("rank {} was broken: {r}", c.rank()).into());
+        }
+    }
+    Ok(())
 }
 
 /// Two ranks of one process, one thread each (the same path as two processes: shared-memory
@@ -251,7 +283,13 @@ fn stuck_receive_is_bounded() -> Result<(), Failed> {
             let took = t.elapsed();
             match r {
                 Err(Error::CommunicatorUnusable { reason }) => Ok((reason, took)),
-                other => Err(format!("rank 1's read returned {other:?} after {took:?}")),
+                Ok(v) => Err(format!(
+                    "rank 1's read returned Ok ({} elements, {} nonzero) after {took:?}: data from a \
+                     receive that never completed",
+                    v.len(),
+                    v.iter().filter(|&&x| x != 0.0).count()
+                )),
+                Err(e) => Err(format!("rank 1's read returned {e} after {took:?}")),
             }
         }
     });

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::buffer::DeviceBuffer;
-use crate::device::{Device, PooledEvent};
-use crate::engine::{self, TrackedUse};
+use crate::device::{Device, Origin, PooledEvent};
+use crate::engine::{self, Before, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::group::group;
 use crate::nccl::id::UniqueId;
@@ -80,24 +80,34 @@ pub(crate) struct Shared {
 pub(crate) struct State {
     /// Null once aborted or destroyed.
     pub(crate) raw: ncclComm_t,
+    pub(crate) rank: usize,
     /// Why the communicator is unusable, once it is.
     pub(crate) broken: Option<String>,
     /// Work queued and not yet seen complete, oldest first: an event after each group on each
     /// stream, and when it was queued. NCCL runs a communicator's operations in order.
     pub(crate) pending: VecDeque<Pending>,
     pub(crate) timeout: Duration,
-    /// This rank's mailbox, marked broken with the communicator so that no peer waits for it.
-    pub(crate) mailbox: Option<Arc<Region>>,
+    /// Every rank's mailbox (verified communicators): this rank's is marked broken with the
+    /// communicator so that no peer waits for it, and carries the watchdog's heartbeat.
+    pub(crate) regions: Option<Arc<[Arc<Region>]>>,
 }
 
 pub(crate) struct Pending {
     /// Recorded after the group on one of its streams.
     pub(crate) event: Arc<PooledEvent>,
-    /// The stream's previous work: the group cannot start before it completes.
-    pub(crate) after: Option<Arc<PooledEvent>>,
-    pub(crate) queued: Instant,
+    /// What the stream ran before the group: it cannot start before these complete.
+    pub(crate) after: Before,
     /// When the watchdog first saw `after` complete: the group's deadline counts from here.
     pub(crate) started: Option<Instant>,
+}
+
+/// Which queued work an abort cuts short.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cut {
+    /// Work not complete yet (a missed deadline, an explicit abort).
+    Incomplete,
+    /// All work not yet seen complete: after an NCCL error, kernels may have ended early.
+    All,
 }
 
 // SAFETY: the NCCL handle is used only under the mutex; NCCL lets any thread use a communicator
@@ -108,17 +118,17 @@ impl State {
     /// Marks the communicator unusable and aborts it (`ncclCommAbort`), as NCCL requires after
     /// an error; tells the peers through the mailbox. The caller holds the lock, so no other
     /// NCCL call on the communicator runs meanwhile.
-    pub(crate) fn break_with(&mut self, reason: String, ordinal: i32) {
+    pub(crate) fn break_with(&mut self, reason: String, ordinal: i32, cut: Cut) {
         // Work still queued is cut short: host reads that wait for it report why.
         for p in self.pending.drain(..) {
             // SAFETY: the event is kept alive by the Arc.
-            if unsafe { crate::result::event_query(p.event.raw) } != Ok(true) {
+            if cut == Cut::All || unsafe { crate::result::event_query(p.event.raw) } != Ok(true) {
                 p.event.poison(&reason);
             }
         }
         self.broken.get_or_insert(reason);
-        if let Some(m) = &self.mailbox {
-            m.set_broken();
+        if let Some(mine) = self.mine() {
+            mine.set_broken();
         }
         let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
         if !raw.is_null() && crate::result::set_device(ordinal).is_ok() {
@@ -128,9 +138,43 @@ impl State {
     }
 }
 
+impl State {
+    /// This rank's mailbox, if verified.
+    pub(crate) fn mine(&self) -> Option<&Region> {
+        Some(&self.regions.as_ref()?[self.rank])
+    }
+}
+
 impl Shared {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks the communicator unusable and aborts it (see [`State::break_with`]).
+    pub(crate) fn break_with(&self, reason: String, cut: Cut) {
+        self.lock().break_with(reason, self.ordinal, cut);
+    }
+}
+
+impl Origin for Shared {
+    /// An NCCL error that the watchdog has not yet acted on may have ended this
+    /// communicator's kernels early: ask NCCL now, and abort if so. (A communicator broken
+    /// before has already marked the work it cut short.)
+    fn failure(&self) -> Option<String> {
+        let mut state = self.lock();
+        if state.broken.is_some() || state.raw.is_null() {
+            return None;
+        }
+        // SAFETY: `raw` is live (not broken, lock held).
+        let rc = unsafe { nc::comm_state(state.raw) };
+        let reason = match rc {
+            Ok(rc) if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress => return None,
+            Ok(rc) => nc::error("ncclCommGetAsyncError", rc).to_string(),
+            Err(e) => e.to_string(),
+        };
+        let reason = format!("rank {} hit an NCCL error: {reason}", self.rank);
+        state.break_with(reason.clone(), self.ordinal, Cut::All);
+        Some(reason)
     }
 }
 
@@ -160,12 +204,12 @@ impl Communicator {
                 broken: None,
                 pending: VecDeque::new(),
                 timeout: options.timeout(),
-                mailbox: None,
+                regions: None,
+                rank,
             }),
             rank,
             ordinal: device.ordinal() as i32,
         });
-        watchdog::watch(&shared);
         Communicator {
             shared,
             device: device.clone(),
@@ -213,6 +257,7 @@ impl Communicator {
         let (raw, pending) =
             unsafe { nc::comm_init_rank(world as i32, &id.raw(), rank as i32, &mut config) }?;
         let mut comm = Communicator::wrap(raw, device, world, rank, options);
+        comm.fail_on(watchdog::watch(&comm.shared))?;
         if pending {
             // SAFETY: `raw` is the communicator just created.
             let r = unsafe { nc::wait_ready(raw, "ncclCommInitRankConfig", started, options.timeout()) };
@@ -265,7 +310,15 @@ impl Communicator {
                 .set_current()
                 .and_then(|()| unsafe { nc::comm_init_rank(world as i32, &id, rank as i32, &mut config) });
             match made {
-                Ok((raw, _)) => comms.push(Communicator::wrap(raw, device, world, rank, options)),
+                Ok((raw, _)) => {
+                    let c = Communicator::wrap(raw, device, world, rank, options);
+                    let watched = watchdog::watch(&c.shared);
+                    comms.push(c);
+                    if let Err(e) = watched {
+                        first_err = Some(e);
+                        break;
+                    }
+                }
                 Err(e) => {
                     first_err = Some(e);
                     break;
@@ -294,21 +347,21 @@ impl Communicator {
         }
         // All ranks live here, made with one setting: their mailboxes are plain memory.
         let clique = Arc::new(());
-        let regions: Vec<Arc<Region>> = (0..world)
+        let regions: Arc<[Arc<Region>]> = (0..world)
             .map(|r| Arc::new(Region::in_process(world, r)))
             .collect();
         for c in &mut comms {
             c.clique = Some(clique.clone());
             if options.verified() {
-                c.attach(Mailboxes::new(c.rank, regions.clone()), regions[c.rank].clone());
+                c.attach(regions.clone());
             }
         }
         Ok(comms)
     }
 
-    fn attach(&mut self, boxes: Mailboxes, mine: Arc<Region>) {
-        self.shared.lock().mailbox = Some(mine);
-        self.boxes = Some(boxes);
+    fn attach(&mut self, regions: Arc<[Arc<Region>]>) {
+        self.shared.lock().regions = Some(regions.clone());
+        self.boxes = Some(Mailboxes::new(self.rank, regions));
     }
 
     /// Breaks the communicator on an error during creation.
@@ -327,8 +380,7 @@ impl Communicator {
         let (world, rank, verified) = (self.world, self.rank, self.options.verified());
         if world == 1 {
             if verified {
-                let mine = Arc::new(Region::in_process(1, 0));
-                self.attach(Mailboxes::new(0, vec![mine.clone()]), mine);
+                self.attach(Arc::new([Arc::new(Region::in_process(1, 0))]));
             }
             return Ok(());
         }
@@ -402,9 +454,8 @@ impl Communicator {
             });
         }
         if let Some((own, _)) = mine {
-            let own = Arc::new(own);
             let mut all: Vec<Option<Arc<Region>>> = vec![None; world];
-            all[rank] = Some(own.clone());
+            all[rank] = Some(Arc::new(own));
             for (r, region) in regions {
                 all[r] = Some(region);
             }
@@ -412,7 +463,7 @@ impl Communicator {
                 .into_iter()
                 .map(|r| r.expect("every rank's mailbox is mapped"))
                 .collect();
-            self.attach(Mailboxes::new(rank, all), own);
+            self.attach(all);
         }
         Ok(())
     }
@@ -437,7 +488,6 @@ impl Communicator {
             },
         ];
         engine::check_devices(&uses)?;
-        let after = stream.last_recorded();
         engine::enqueue(
             &uses,
             true,
@@ -456,11 +506,11 @@ impl Communicator {
                     nc::check("ncclAllGather", rc)
                 };
                 if let Err(e) = &r {
-                    state.break_with(e.to_string(), self.shared.ordinal);
+                    state.break_with(e.to_string(), self.shared.ordinal, Cut::All);
                 }
                 r
             },
-            |_, event| self.note_pending(event, after.clone()),
+            |_, event, before| self.note_pending(event, before),
         )?;
         self.wait_stream(&stream)?;
         all.to_vec(&stream)
@@ -650,8 +700,7 @@ impl Communicator {
     /// None today; kept for NCCL's error from the abort.
     pub fn abort(&self) -> Result<()> {
         self.shared
-            .lock()
-            .break_with("aborted by the program".into(), self.shared.ordinal);
+            .break_with("aborted by the program".into(), Cut::Incomplete);
         Ok(())
     }
 
@@ -694,16 +743,23 @@ impl Communicator {
 
     /// Marks the communicator unusable because of `e` and aborts it.
     pub(crate) fn break_with(&self, e: &Error) {
-        self.shared.lock().break_with(e.to_string(), self.shared.ordinal);
+        self.shared.break_with(e.to_string(), Cut::Incomplete);
     }
 
-    /// Remembers `event`, recorded after this communicator's latest work on some stream after
-    /// `after`, for [`Communicator::synchronize`] and the watchdog.
-    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, after: Option<Arc<PooledEvent>>) {
-        self.shared.lock().pending.push_back(Pending {
+    /// Remembers `event`, recorded after this communicator's latest work on some stream, which
+    /// ran `before` first, for [`Communicator::synchronize`] and the watchdog.
+    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: &Before) {
+        let origin: Arc<dyn Origin> = self.shared.clone();
+        event.set_origin(Arc::downgrade(&origin));
+        let mut state = self.shared.lock();
+        if let Some(reason) = &state.broken {
+            // Broken between posting and now: the work may have been cut short.
+            event.poison(reason);
+            return;
+        }
+        state.pending.push_back(Pending {
             event: event.clone(),
-            after,
-            queued: Instant::now(),
+            after: before.clone(),
             started: None,
         });
     }

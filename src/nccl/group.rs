@@ -9,7 +9,7 @@ use std::time::Instant;
 use crate::buffer::DeviceBuffer;
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
-use crate::nccl::communicator::{Communicator, State, usable};
+use crate::nccl::communicator::{Communicator, Cut, State, usable};
 use crate::nccl::types::NcclType;
 use crate::nccl::verify::wire::OpDesc;
 use crate::nccl::verify::{self, Failure, PairOps};
@@ -270,16 +270,19 @@ impl<'a> Group<'a> {
                     .filter(move |o| std::ptr::eq(o.comm, from) && o.peer == to && o.access == access)
                     .map(|o| (o.count, o.dtype.0))
             };
-            let sends = side(op.comm, peer, Access::Read);
-            let recvs = side(other, me, Access::Write);
-            if !sends.clone().eq(recvs.clone()) {
-                return Err(Error::InvalidArgument(format!(
-                    "rank {me}'s sends to rank {peer} {:?} and rank {peer}'s receives from rank {me} \
-                     {:?}, as (count, NCCL type) in the order issued, must match one to one in \
-                     the same group, or NCCL waits forever or writes past a receive",
-                    sends.collect::<Vec<_>>(),
-                    recvs.collect::<Vec<_>>()
-                )));
+            // Both directions of the pair: my sends with its receives, its sends with mine.
+            for (from, to, a, b) in [(op.comm, other, me, peer), (other, op.comm, peer, me)] {
+                let sends = side(from, b, Access::Read);
+                let recvs = side(to, a, Access::Write);
+                if !sends.clone().eq(recvs.clone()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "rank {a}'s sends to rank {b} {:?} and rank {b}'s receives from rank {a} \
+                         {:?}, as (count, NCCL type) in the order issued, must match one to one \
+                         in the same group, or NCCL waits forever or writes past a receive",
+                        sends.collect::<Vec<_>>(),
+                        recvs.collect::<Vec<_>>()
+                    )));
+                }
             }
         }
         Ok(())
@@ -346,6 +349,13 @@ impl<'a> Group<'a> {
         let comms = self.comms();
         self.check_local()?;
         self.verify(&comms)?;
+        // Verified: each operation is now in the peers' order. From here until NCCL has the
+        // group, any failure (or panic) must break every communicator of the group, or their
+        // next operations would be matched, verified, against the wrong peer operations.
+        let guard = BreakUnlessPosted {
+            comms: &comms,
+            posted: false,
+        };
         let uses: Vec<TrackedUse<'_>> = self
             .ops
             .iter()
@@ -355,32 +365,58 @@ impl<'a> Group<'a> {
                 access: o.access,
             })
             .collect();
-        // What each stream runs before this group: the watchdog's deadline for the group
-        // counts from its completion, so earlier GPU work is never taken for a dead peer.
-        let before: Vec<_> = self.ops.iter().map(|o| o.stream.last_recorded()).collect();
-        engine::enqueue(
+        let r = engine::enqueue(
             &uses,
             true,
             |_| self.post(&comms),
-            |stream, event| {
-                let after = self
-                    .ops
-                    .iter()
-                    .position(|o| std::ptr::eq(o.stream, stream))
-                    .and_then(|i| before[i].clone());
+            |stream, event, before| {
                 for c in &comms {
                     if self
                         .ops
                         .iter()
                         .any(|o| std::ptr::eq(o.comm, *c) && std::ptr::eq(o.stream, stream))
                     {
-                        c.note_pending(event, after.clone());
+                        c.note_pending(event, before);
                     }
                 }
             },
-        )
+        );
+        guard.done(r)
     }
+}
 
+/// Breaks the communicators of a verified group unless it reached NCCL.
+struct BreakUnlessPosted<'g, 'a> {
+    comms: &'g [&'a Communicator],
+    posted: bool,
+}
+
+impl BreakUnlessPosted<'_, '_> {
+    fn done(mut self, r: Result<()>) -> Result<()> {
+        if let Err(e) = &r {
+            for c in self.comms {
+                c.break_with(e);
+            }
+        }
+        self.posted = true;
+        r
+    }
+}
+
+impl Drop for BreakUnlessPosted<'_, '_> {
+    fn drop(&mut self) {
+        if !self.posted {
+            let e = Error::CommunicatorUnusable {
+                reason: "a panic between verifying a group and posting it".into(),
+            };
+            for c in self.comms {
+                c.break_with(&e);
+            }
+        }
+    }
+}
+
+impl<'a> Group<'a> {
     /// The NCCL group itself, with every communicator's lock held so that the watchdog cannot
     /// abort one in the middle. Nothing reaches a stream before `ncclGroupEnd`.
     fn post(&self, comms: &[&'a Communicator]) -> Result<()> {
@@ -462,7 +498,7 @@ impl<'a> Group<'a> {
         match failed {
             Some(e) => {
                 for (s, c) in states.iter_mut().zip(comms) {
-                    s.break_with(e.to_string(), c.shared.ordinal);
+                    s.break_with(e.to_string(), c.shared.ordinal, Cut::All);
                 }
                 Err(e)
             }

@@ -28,6 +28,8 @@ const H_TOKEN: usize = 1;
 const H_RANK: usize = 2;
 const H_WORLD: usize = 3;
 const H_STATUS: usize = 4;
+const H_HEARTBEAT: usize = 5;
+const H_BACKLOG: usize = 6;
 const RING_WORDS: usize = RING as usize * ENTRY_WORDS;
 /// Two rings and two counters, rounded up to whole 64-byte lines.
 const PEER_WORDS: usize = (2 * RING_WORDS + 2).div_ceil(8) * 8;
@@ -38,8 +40,19 @@ pub(crate) const LIVE: u64 = 0;
 pub(crate) const BROKEN: u64 = 1;
 
 enum Memory {
-    Heap(#[allow(dead_code)] Box<[AtomicU64]>),
+    /// From `Box::into_raw`, freed in `Drop`: the region's pointer is derived from it, and a
+    /// `Box` moved with the region would claim unique access to the memory that pointer reads.
+    Heap(*mut [AtomicU64]),
     Mapped(#[allow(dead_code)] memmap2::MmapMut),
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        if let Memory::Heap(p) = *self {
+            // SAFETY: `p` came from `Box::into_raw` and is freed once, here.
+            drop(unsafe { Box::from_raw(p) });
+        }
+    }
 }
 
 /// One rank's mailbox.
@@ -51,7 +64,8 @@ pub(crate) struct Region {
 }
 
 // SAFETY: the region is only accessed through atomics, from any thread; `words` points into
-// `_memory`, which lives as long as the region and never moves (a boxed slice, or a mapping).
+// `_memory`, which lives as long as the region and never moves (a raw heap slice, or a
+// mapping).
 unsafe impl Send for Region {}
 // SAFETY: as above.
 unsafe impl Sync for Region {}
@@ -82,8 +96,13 @@ impl Region {
     pub(crate) fn in_process(world: usize, rank: usize) -> Region {
         let len = words_for(world).expect("world sizes come from an i32");
         let memory: Box<[AtomicU64]> = (0..len).map(|_| AtomicU64::new(0)).collect();
-        let words = memory.as_ptr();
-        let r = Region::new(Memory::Heap(memory), words, len, world);
+        let raw = Box::into_raw(memory);
+        let r = Region::new(
+            Memory::Heap(raw),
+            raw.cast::<AtomicU64>().cast_const(),
+            len,
+            world,
+        );
         r.init(rank, 0);
         r
     }
@@ -231,6 +250,20 @@ impl Region {
     pub(crate) fn set_broken(&self) {
         self.word(H_STATUS).store(BROKEN, Ordering::Release);
     }
+
+    /// The owner's watchdog says it is alive (`now_ms`, wall-clock milliseconds) and whether
+    /// its oldest queued operation is still held up by earlier GPU work of its own (`backlog`).
+    pub(crate) fn set_heartbeat(&self, now_ms: u64, backlog: bool) {
+        self.word(H_BACKLOG).store(u64::from(backlog), Ordering::Relaxed);
+        self.word(H_HEARTBEAT).store(now_ms, Ordering::Release);
+    }
+
+    /// Whether the owner was alive at most `fresh_ms` before `now_ms` and held up by its own
+    /// earlier GPU work then: its operations have not started, but it is not dead.
+    pub(crate) fn busy_and_alive(&self, now_ms: u64, fresh_ms: u64) -> bool {
+        let beat = self.word(H_HEARTBEAT).load(Ordering::Acquire);
+        self.word(H_BACKLOG).load(Ordering::Relaxed) == 1 && now_ms.saturating_sub(beat) <= fresh_ms
+    }
 }
 
 /// The folder for mailbox files: `/dev/shm` where it exists (memory, not disk), else the
@@ -263,6 +296,17 @@ mod tests {
         r.publish(2, Dir::Send, RING, op(11));
         assert_eq!(r.read(2, Dir::Send, 0), None);
         assert_eq!(r.read(2, Dir::Send, RING), Some(op(11)));
+    }
+
+    #[test]
+    fn a_heartbeat_says_busy_only_while_fresh() {
+        let r = Region::in_process(2, 1);
+        assert!(!r.busy_and_alive(1_000, 500), "no heartbeat yet");
+        r.set_heartbeat(1_000, true);
+        assert!(r.busy_and_alive(1_400, 500));
+        assert!(!r.busy_and_alive(1_600, 500), "stale: the owner may be dead");
+        r.set_heartbeat(1_600, false);
+        assert!(!r.busy_and_alive(1_600, 500), "alive but not held up");
     }
 
     #[test]
