@@ -1,7 +1,7 @@
 //! GPUs: [`Device`], and the per-device state the safe API shares (an event pool and the stream
 //! on which buffers are freed).
 
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 use once_cell::sync::OnceCell;
 
@@ -82,7 +82,7 @@ pub(crate) struct PooledEvent {
     poison: OnceCell<String>,
     /// The communicator whose work this event follows, asked at a host read whether that work
     /// may have been cut short since (an NCCL error its watchdog has not yet seen).
-    origin: OnceCell<Weak<dyn Origin>>,
+    origin: OnceCell<Arc<dyn Origin>>,
 }
 
 /// Where a tracking event's work came from, when something can cut that work short.
@@ -98,7 +98,7 @@ impl PooledEvent {
     }
 
     /// Says which communicator's work this event follows.
-    pub(crate) fn set_origin(&self, origin: Weak<dyn Origin>) {
+    pub(crate) fn set_origin(&self, origin: Arc<dyn Origin>) {
         let _ = self.origin.set(origin);
     }
 
@@ -110,7 +110,6 @@ impl PooledEvent {
         }
         self.origin
             .get()?
-            .upgrade()?
             .failure()
             .or_else(|| self.poison.get().cloned())
     }

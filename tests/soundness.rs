@@ -17,7 +17,8 @@ use libtest_mimic::Failed;
 
 fn main() {
     let g = Gpus::detect();
-    common::run(vec![
+    // One at a time: the deadline tests must not see each other's GPU work.
+    common::run_serial(vec![
         g.trial(
             "hole1_short_receive_in_one_process_is_refused",
             2,

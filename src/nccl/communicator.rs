@@ -19,7 +19,7 @@ use crate::nccl::id::UniqueId;
 use crate::nccl::options::CommOptions;
 use crate::nccl::types::NcclType;
 use crate::nccl::verify::Mailboxes;
-use crate::nccl::verify::mailbox::{Region, mailbox_dir};
+use crate::nccl::verify::mailbox::{BROKEN, Region, mailbox_dir};
 use crate::nccl::verify::wire::{CARD_WORDS, Card, check_cards};
 use crate::nccl::watchdog;
 use crate::result::nccl as nc;
@@ -156,24 +156,48 @@ impl Shared {
     }
 }
 
-impl Origin for Shared {
-    /// An NCCL error that the watchdog has not yet acted on may have ended this
-    /// communicator's kernels early: ask NCCL now, and abort if so. (A communicator broken
-    /// before has already marked the work it cut short.)
+/// Where a group's tracking event on one stream came from: this communicator, receiving from
+/// `peers`. Asked at a host read whether that work may have been cut short.
+struct OpOrigin {
+    shared: std::sync::Weak<Shared>,
+    peers: Vec<usize>,
+}
+
+impl Origin for OpOrigin {
+    /// An NCCL error that the watchdog has not yet acted on may have ended the communicator's
+    /// kernels early, and a peer that broke (aborted, failed) before sending may have let a
+    /// receive complete without its data (seen on the H200: a receive whose sender aborted
+    /// completed at once, the buffer untouched). Either way: abort now, and say so. A
+    /// communicator broken before has already marked the work it cut short.
     fn failure(&self) -> Option<String> {
-        let mut state = self.lock();
+        let shared = self.shared.upgrade()?;
+        let mut state = shared.lock();
         if state.broken.is_some() || state.raw.is_null() {
             return None;
         }
         // SAFETY: `raw` is live (not broken, lock held).
         let rc = unsafe { nc::comm_state(state.raw) };
         let reason = match rc {
-            Ok(rc) if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress => return None,
-            Ok(rc) => nc::error("ncclCommGetAsyncError", rc).to_string(),
-            Err(e) => e.to_string(),
+            Ok(rc) if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress => {
+                let regions = state.regions.as_ref()?;
+                let peer = self
+                    .peers
+                    .iter()
+                    .find(|&&p| p != shared.rank && regions[p].status() == BROKEN)?;
+                format!(
+                    "rank {peer}, which a receive of rank {} was waiting for, broke its communicator \
+                     (an error, a timeout or an abort there): the received data may be incomplete",
+                    shared.rank
+                )
+            }
+            Ok(rc) => format!(
+                "rank {} hit an NCCL error: {}",
+                shared.rank,
+                nc::error("ncclCommGetAsyncError", rc)
+            ),
+            Err(e) => format!("rank {} hit an NCCL error: {e}", shared.rank),
         };
-        let reason = format!("rank {} hit an NCCL error: {reason}", self.rank);
-        state.break_with(reason.clone(), self.ordinal, Cut::All);
+        state.break_with(reason.clone(), shared.ordinal, Cut::All);
         Some(reason)
     }
 }
@@ -510,7 +534,7 @@ impl Communicator {
                 }
                 r
             },
-            |_, event, before| self.note_pending(event, before),
+            |_, event, before| self.note_pending(event, before, Vec::new()),
         )?;
         self.wait_stream(&stream)?;
         all.to_vec(&stream)
@@ -747,10 +771,13 @@ impl Communicator {
     }
 
     /// Remembers `event`, recorded after this communicator's latest work on some stream, which
-    /// ran `before` first, for [`Communicator::synchronize`] and the watchdog.
-    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: &Before) {
-        let origin: Arc<dyn Origin> = self.shared.clone();
-        event.set_origin(Arc::downgrade(&origin));
+    /// ran `before` first and received from `peers`, for [`Communicator::synchronize`], the
+    /// watchdog and host reads.
+    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: &Before, peers: Vec<usize>) {
+        event.set_origin(Arc::new(OpOrigin {
+            shared: Arc::downgrade(&self.shared),
+            peers,
+        }));
         let mut state = self.shared.lock();
         if let Some(reason) = &state.broken {
             // Broken between posting and now: the work may have been cut short.

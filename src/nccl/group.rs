@@ -371,12 +371,17 @@ impl<'a> Group<'a> {
             |_| self.post(&comms),
             |stream, event, before| {
                 for c in &comms {
-                    if self
-                        .ops
-                        .iter()
-                        .any(|o| std::ptr::eq(o.comm, *c) && std::ptr::eq(o.stream, stream))
-                    {
-                        c.note_pending(event, before);
+                    let mine = || {
+                        self.ops
+                            .iter()
+                            .filter(|o| std::ptr::eq(o.comm, *c) && std::ptr::eq(o.stream, stream))
+                    };
+                    if mine().next().is_some() {
+                        let peers = mine()
+                            .filter(|o| o.access == Access::Write)
+                            .map(|o| o.peer)
+                            .collect();
+                        c.note_pending(event, before, peers);
                     }
                 }
             },

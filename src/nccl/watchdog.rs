@@ -35,6 +35,10 @@ const FRESH: Duration = Duration::from_millis(1000);
 /// How many timeouts an operation may wait, in all, for peers that are alive but busy.
 pub(crate) const PATIENCE: u32 = 10;
 
+/// `HANDOFF_WATCHDOG_LOG=1` prints each look at a communicator with queued work to stderr.
+static LOG: once_cell::sync::Lazy<bool> =
+    once_cell::sync::Lazy::new(|| std::env::var_os("HANDOFF_WATCHDOG_LOG").is_some_and(|v| v == "1"));
+
 static WATCHED: OnceCell<std::result::Result<Mutex<Vec<Weak<Shared>>>, String>> = OnceCell::new();
 
 /// Starts watching a communicator (and, the first time, the watchdog thread).
@@ -134,7 +138,19 @@ fn check(shared: &Shared) {
     if let Some(mine) = state.mine() {
         mine.set_heartbeat(wall, held_up);
     }
-    let Some(started) = state.pending.front().and_then(|p| p.started) else {
+    let started = state.pending.front().and_then(|p| p.started);
+    if *LOG && !state.pending.is_empty() {
+        eprintln!(
+            "handoff watchdog: rank {} on device {}: {} pending, oldest held up by its stream: \
+             {held_up}, waiting for {:?}, a peer busy: {}",
+            shared.rank,
+            shared.ordinal,
+            state.pending.len(),
+            started.map(|t| now.duration_since(t)),
+            peer_busy(&state, wall, Duration::ZERO)
+        );
+    }
+    let Some(started) = started else {
         return;
     };
     let waited = now.duration_since(started);

@@ -55,7 +55,18 @@ impl Gpus {
 
 /// Runs the trials and exits with libtest's status.
 pub fn run(trials: Vec<Trial>) -> ! {
-    let args = Arguments::from_args();
+    run_with(Arguments::from_args(), trials)
+}
+
+/// As [`run`], one test at a time unless `--test-threads` says otherwise: for tests whose
+/// timing another test's GPU work would disturb (deadlines, GPU-side waits).
+pub fn run_serial(trials: Vec<Trial>) -> ! {
+    let mut args = Arguments::from_args();
+    args.test_threads.get_or_insert(1);
+    run_with(args, trials)
+}
+
+fn run_with(args: Arguments, trials: Vec<Trial>) -> ! {
     let gpus = Gpus::detect();
     if gpus.usable == 0 && !args.list {
         eprintln!(
