@@ -8,9 +8,14 @@
 //!    ([`crate::tracking`]); the host does not block.
 //! 4. `submit` queues the work (a launch; or an NCCL group, which queues nothing before
 //!    `ncclGroupEnd`, so the events below are recorded only after the work is really queued).
-//! 5. On each stream used, one event is recorded after the work and stored as the latest use of
-//!    every buffer used there. If that fails, the host waits for the stream instead, so no
-//!    queued use is left untracked; every stream is handled even after an error.
+//! 5. One event is recorded after the work on each *record stream* and stored as the latest use
+//!    of every buffer used with it, each under the stream it was used on. A use's record stream
+//!    is its own stream, except in an NCCL group: there one event per communicator, on its first
+//!    stream, covers all its operations, since NCCL makes every stream of a group wait for the
+//!    group ("as if the NCCL group operation was posted on every stream", NCCL's CUDA stream
+//!    semantics) and the stream orders held here keep any other use of those streams wholly
+//!    before or after. If recording fails, the host waits for the stream instead, so no queued
+//!    use is left untracked; every record stream is handled even after an error.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -46,6 +51,21 @@ pub(crate) struct TrackedUse<'a> {
     pub(crate) stream: &'a Stream,
     pub(crate) tracked: &'a Tracked,
     pub(crate) access: Access,
+    /// Where the event that tracks this use is recorded (see step 5): `stream`, or in an NCCL
+    /// group the first stream of the use's communicator.
+    pub(crate) record: &'a Stream,
+}
+
+impl<'a> TrackedUse<'a> {
+    /// A use recorded on its own stream.
+    pub(crate) fn on(stream: &'a Stream, tracked: &'a Tracked, access: Access) -> Self {
+        TrackedUse {
+            stream,
+            tracked,
+            access,
+            record: stream,
+        }
+    }
 }
 
 /// Switches the calling thread's current device only when it changes (each switch is a
@@ -78,8 +98,8 @@ pub(crate) type Before = Vec<Arc<PooledEvent>>;
 
 /// Queues one operation that uses the given memory (steps 2 to 5 above; step 1 is
 /// [`check_devices`], which callers run before anything else they check). `recorded` is called
-/// with each stream used, the event recorded after the work there, and (for `nccl` work, which
-/// [`Stream::synchronize`] also reports on) what the stream ran before it.
+/// with each record stream, the event recorded after the work there, and (for `nccl` work,
+/// which [`Stream::synchronize`] also reports on) what its uses' streams ran before it.
 ///
 /// The uses are recorded even when `submit` fails: whatever part of the work reached a stream
 /// stays tracked.
@@ -89,7 +109,8 @@ pub(crate) fn enqueue<R>(
     submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
     mut recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
 ) -> Result<R> {
-    // Each distinct stream once, in first-use order (few uses: a linear scan is fine).
+    // Each distinct stream once, in first-use order (few uses: a linear scan is fine). Record
+    // streams are among them.
     let mut streams: Vec<&Stream> = Vec::with_capacity(2);
     for u in uses {
         if !streams.iter().any(|s| std::ptr::eq(*s, u.stream)) {
@@ -104,18 +125,21 @@ pub(crate) fn enqueue<R>(
     for i in by_id {
         held[i] = Some(streams[i].order().hold());
     }
+    // Per record stream, what its uses' streams ran (and are made to wait for) before.
     let mut before: Vec<Before> = if nccl {
-        streams
-            .iter()
-            .map(|s| s.last_recorded().into_iter().collect())
-            .collect()
+        vec![Vec::new(); streams.len()]
     } else {
         Vec::new()
     };
+    if nccl {
+        for u in uses {
+            before[index(u.record)].extend(u.stream.last_recorded());
+        }
+    }
     let mut current = CurrentDevice::default();
     for u in uses {
         current.set(u.stream.device())?;
-        let sink = before.get_mut(index(u.stream));
+        let sink = before.get_mut(index(u.record));
         u.stream.wait_for_conflicts(u.tracked, u.access, sink)?;
     }
     let out = submit(&mut current);
@@ -123,15 +147,19 @@ pub(crate) fn enqueue<R>(
     // device by the submission, switches devices once fewer.
     let mut failed = None;
     for (i, s) in streams.iter().enumerate().rev() {
+        if !uses.iter().any(|u| std::ptr::eq(u.record, *s)) {
+            continue;
+        }
+        let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, *s));
         let stored = current.set(s.device()).and_then(|()| {
             record_and_store(
                 held[i].as_ref().expect("held above"),
                 || s.record_event(),
                 |event| {
-                    for v in uses.iter().filter(|v| std::ptr::eq(v.stream, *s)) {
-                        v.tracked.lock().record(s.id(), v.access, event.clone());
+                    for v in mine() {
+                        v.tracked.lock().record(v.stream.id(), v.access, event.clone());
+                        v.stream.note_recorded(event, nccl);
                     }
-                    s.note_recorded(event, nccl);
                 },
             )
         });
@@ -141,7 +169,9 @@ pub(crate) fn enqueue<R>(
                 // The work is queued but untracked. Once it has completed it needs no tracking,
                 // and the trackers' older entries stay correct. If even waiting fails, the
                 // device is in CUDA's sticky error state, where no further work runs.
-                let _ = s.synchronize_raw();
+                for v in mine() {
+                    let _ = v.stream.synchronize_raw();
+                }
                 failed.get_or_insert(e);
             }
         }

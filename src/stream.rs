@@ -187,11 +187,7 @@ impl Stream {
     ) -> Result<R> {
         let uses: Vec<TrackedUse<'_>> = uses
             .iter()
-            .map(|&(tracked, access)| TrackedUse {
-                stream: self,
-                tracked,
-                access,
-            })
+            .map(|&(tracked, access)| TrackedUse::on(self, tracked, access))
             .collect();
         engine::check_devices(&uses)?;
         if !uses.is_empty() {

@@ -500,16 +500,8 @@ impl Communicator {
         let mut all = DeviceBuffer::<u64>::zeros(&stream, words.len() * self.world)?;
         let (src, dst) = (send.as_raw_ptr().cast(), all.as_raw_mut_ptr().cast());
         let uses = [
-            TrackedUse {
-                stream: &stream,
-                tracked: send.tracked(),
-                access: Access::Read,
-            },
-            TrackedUse {
-                stream: &stream,
-                tracked: all.tracked(),
-                access: Access::Write,
-            },
+            TrackedUse::on(&stream, send.tracked(), Access::Read),
+            TrackedUse::on(&stream, all.tracked(), Access::Write),
         ];
         engine::check_devices(&uses)?;
         engine::enqueue(

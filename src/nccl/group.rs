@@ -216,6 +216,14 @@ impl<'a> Group<'a> {
         Ok(())
     }
 
+    /// The index of `comm`'s first operation.
+    fn first_op(&self, comm: &Communicator) -> usize {
+        self.ops
+            .iter()
+            .position(|o| std::ptr::eq(o.comm, comm))
+            .expect("a communicator of the group")
+    }
+
     /// The communicators of the group, each once, in first-use order (few: a linear scan).
     fn comms(&self) -> Vec<&'a Communicator> {
         let mut comms: Vec<&Communicator> = Vec::new();
@@ -363,6 +371,8 @@ impl<'a> Group<'a> {
                 stream: o.stream,
                 tracked: o.tracked,
                 access: o.access,
+                // One tracking event per communicator, on its first stream: see the engine.
+                record: self.ops[self.first_op(o.comm)].stream,
             })
             .collect();
         let r = engine::enqueue(
@@ -370,19 +380,19 @@ impl<'a> Group<'a> {
             true,
             |_| self.post(&comms),
             |stream, event, before| {
-                for c in &comms {
-                    let mine = || {
-                        self.ops
-                            .iter()
-                            .filter(|o| std::ptr::eq(o.comm, *c) && std::ptr::eq(o.stream, stream))
-                    };
-                    if mine().next().is_some() {
-                        let peers = mine()
-                            .filter(|o| o.access == Access::Write)
-                            .map(|o| o.peer)
-                            .collect();
-                        c.note_pending(event, before, peers);
-                    }
+                // The communicators whose events are recorded on this stream, and the peers
+                // each receives from.
+                for c in comms
+                    .iter()
+                    .filter(|c| std::ptr::eq(uses[self.first_op(c)].record, stream))
+                {
+                    let peers = self
+                        .ops
+                        .iter()
+                        .filter(|o| std::ptr::eq(o.comm, *c) && o.access == Access::Write)
+                        .map(|o| o.peer)
+                        .collect();
+                    c.note_pending(event, before, peers);
                 }
             },
         );
