@@ -18,7 +18,7 @@ use libtest_mimic::Failed;
 
 const THREADS: usize = 12;
 const READS: usize = 6;
-const ROUNDS: u32 = 30;
+const ROUNDS: u32 = 150;
 
 fn main() {
     let g = Gpus::detect();
