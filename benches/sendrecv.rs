@@ -1,5 +1,5 @@
-//! Send/receive benchmark: handoff's safe API against the raw generated NCCL calls, in the same
-//! process, on the same buffers and streams, interleaved.
+//! Send/receive benchmark: handoff's safe API, verified (the default) and unverified, against the
+//! raw generated NCCL calls, in the same process, on the same buffers and streams, interleaved.
 //!
 //! `cargo bench --bench sendrecv -- [OPTIONS]`
 //!
@@ -9,10 +9,10 @@
 //! - `procs`: two processes through the bootstrap (two GPUs); rank 1 prints the results.
 //!
 //! For each size, after `--warmup` untimed iterations, `--repeats` timed runs of `--iters`
-//! iterations each, alternating safe and raw; each run is timed with CUDA events on the
+//! iterations each of each way, rotating verified, unverified and raw; each run is timed with CUDA events on the
 //! receiving stream, and the median run is reported. The received data is checked once per
 //! size, outside the timed loops. A host-overhead figure (CPU time to enqueue one send+receive,
-//! safe and raw, at small sizes) follows the table.
+//! for each way, at small sizes) follows the table.
 //!
 //! Output: a table shaped like nccl-tests' (size, count, type, time, algbw, busbw; for
 //! point-to-point busbw = algbw) with raw figures and the ratio handoff/raw; the same rows as
@@ -568,7 +568,7 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
     Ok(())
 }
 
-/// CPU time to enqueue one send+receive (one element), safe and raw: batches of 100 calls,
+/// CPU time to enqueue one send+receive (one element), each way: batches of 100 calls,
 /// the GPU waited for between batches, outside the timing. Median of the batches. Not in procs
 /// mode, where each process enqueues only half of the pair.
 fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::Result<Option<[f64; 3]>> {
