@@ -60,9 +60,9 @@
 //! concurrently. Each call makes its device current on the calling thread first.
 //!
 //! # Soundness
-//! No sequence of safe calls, on any thread, in any build, whatever another rank does, lets the
-//! GPU race on a buffer, write outside one, use one after it is freed, or leave the host waiting
-//! without bound. Each guarantee, why it holds, and the tests that show it (GPU tests are shown
+//! No sequence of safe calls, on any thread, in any build, whatever another rank running
+//! handoff does, lets the GPU race on a buffer, write outside one, use one after it is freed, or
+//! leave the host waiting without bound (within the limits listed last). Each guarantee, why it holds, and the tests that show it (GPU tests are shown
 //! on an H200 to fail with tracking bypassed or the fix reverted; BENCHMARKS.md has the runs):
 //!
 //! - **Across streams.** Every use of a buffer (kernel, copy, send, receive) is a read or a
@@ -100,8 +100,12 @@
 //! - **Bounded.** Every host wait on a communicator has its timeout; the wait for a peer's
 //!   counterpart is bounded by it and never waits for the GPU. A watchdog thread aborts a
 //!   communicator whose oldest operation has not completed within the timeout of becoming able
-//!   to start (or on NCCL's error), so every host wait on a stream stuck behind NCCL returns;
-//!   [`Stream::synchronize`] and [`DeviceBuffer::to_vec`] then report the communicator's error.
+//!   to start (when what its stream ran and waited for before it completed), or on NCCL's
+//!   error, so every host wait on a stream stuck behind NCCL returns; [`Stream::synchronize`]
+//!   and [`DeviceBuffer::to_vec`] then report the communicator's error, as they do for a
+//!   receive whose sender broke (NCCL was seen to complete such a receive at once, untouched).
+//!   A rank whose own earlier GPU work holds its side up says so in its mailbox with a
+//!   heartbeat, and its peers wait on, up to ten timeouts in all.
 //!   Ranks of one process driven by one thread must post together in a group: a lone send
 //!   between them is an error at once, not NCCL's endless wait. Tests: `tests/soundness.rs`
 //!   (a stuck receive, a long kernel before a transfer, one thread driving two ranks);
@@ -109,6 +113,21 @@
 //!
 //! What stays the caller's: work queued through raw handles ([`Stream::as_raw`],
 //! [`DeviceBuffer::as_raw_ptr`], [`Communicator::as_raw`]) is neither tracked nor verified.
+//!
+//! Known limits:
+//! - NCCL's own blocking calls. A blocking communicator (the default) is created by
+//!   `ncclCommInitRankConfig`, which waits for every rank as long as NCCL does, and its first
+//!   operation with a peer connects inside `ncclGroupEnd`; a peer that has published its side
+//!   and is then stopped (not killed) before it posts holds that call. Non-blocking
+//!   communicators ([`CommOptions::with_blocking`]) bound both, at tens of microseconds per
+//!   group on NCCL 2.28.
+//! - Verification trusts the peers' mailboxes: a peer process that is not handoff, or another
+//!   process of the same user, can write or truncate them.
+//! - Across hosts there is no verification yet: creation fails with [`Error::Setup`] and says to
+//!   use [`CommOptions::unverified`].
+//! - A report of cut-short data reaches the first host read of the received buffer; a kernel that
+//!   read it on the GPU before that computed on partial data (valid values, wrong ones) without
+//!   its output being flagged.
 
 #![warn(missing_docs)]
 
