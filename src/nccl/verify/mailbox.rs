@@ -44,6 +44,8 @@ enum Memory {
     /// `Box` moved with the region would claim unique access to the memory that pointer reads.
     Heap(*mut [AtomicU64]),
     Mapped(#[allow(dead_code)] memmap2::MmapMut),
+    /// A peer's: this process only reads it.
+    MappedReadOnly(#[allow(dead_code)] memmap2::Mmap),
 }
 
 impl Drop for Memory {
@@ -61,6 +63,12 @@ pub(crate) struct Region {
     len: usize,
     world: usize,
     _memory: Memory,
+}
+
+impl Region {
+    fn writable(&self) -> bool {
+        !matches!(self._memory, Memory::MappedReadOnly(_))
+    }
 }
 
 // SAFETY: the region is only accessed through atomics, from any thread; `words` points into
@@ -148,16 +156,21 @@ impl Region {
     /// not that rank's mailbox.
     pub(crate) fn open_file(path: &Path, world: usize, rank: usize, token: u64) -> Result<Region, String> {
         let len = words_for(world).ok_or("the world is too large for a mailbox")?;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| format!("opening {}: {e}", path.display()))?;
+        let file = std::fs::File::open(path).map_err(|e| format!("opening {}: {e}", path.display()))?;
         let size = file.metadata().map_err(|e| e.to_string())?.len();
         if size != (len * 8) as u64 {
             return Err(format!("{} has {size} bytes, not {}", path.display(), len * 8));
         }
-        let region = Self::map(&file, path, len, world)?;
+        // SAFETY: as in `map`; mapped read-only, as this process never writes a peer's mailbox.
+        let map =
+            unsafe { memmap2::Mmap::map(&file) }.map_err(|e| format!("mapping {}: {e}", path.display()))?;
+        if map.len() < len * 8 || map.as_ptr().align_offset(8) != 0 {
+            return Err(format!("{} mapped short or misaligned", path.display()));
+        }
+        // Atomic loads of aligned 64-bit words are allowed on read-only memory (std's atomic
+        // module, "Atomic accesses to read-only memory"); this region is never stored to.
+        let words = map.as_ptr().cast::<AtomicU64>();
+        let region = Region::new(Memory::MappedReadOnly(map), words, len, world);
         let ok = region.word(H_MAGIC).load(Ordering::Acquire) == MAGIC
             && region.word(H_TOKEN).load(Ordering::Relaxed) == token
             && region.word(H_RANK).load(Ordering::Relaxed) == rank as u64
@@ -170,10 +183,10 @@ impl Region {
     }
 
     fn map(file: &std::fs::File, path: &Path, len: usize, world: usize) -> Result<Region, String> {
-        // SAFETY: the file is ours or a peer's mailbox, of exactly `len` words; every access to
-        // it goes through atomics, so the other processes writing it concurrently (only ever
-        // through atomics too) is not a data race. Nobody truncates it while mapped: its owner
-        // sized it once and only removes its name.
+        // SAFETY: the file is this rank's mailbox, of exactly `len` words; every access to it
+        // goes through atomics, so peers reading it concurrently is not a data race. Nobody
+        // handoff runs truncates it while mapped: its owner sized it once and only removes its
+        // name (another process of the same user could: the crate's documented trust limit).
         let mut map = unsafe { memmap2::MmapMut::map_mut(file) }
             .map_err(|e| format!("mapping {}: {e}", path.display()))?;
         if map.len() < len * 8 || map.as_ptr().align_offset(8) != 0 {
@@ -209,6 +222,7 @@ impl Region {
     /// Publishes this rank's operation number `index` with `peer`. The caller has made sure the
     /// peer checked entry `index - RING` ([`Region::checked`]).
     pub(crate) fn publish(&self, peer: usize, dir: Dir, index: u64, op: OpDesc) {
+        assert!(self.writable(), "a peer's mailbox is never written");
         let at = self.slot(peer, dir, index);
         let [count, dtype] = op.encode();
         self.word(at + 1).store(count, Ordering::Relaxed);
@@ -237,6 +251,7 @@ impl Region {
 
     /// Records that the owner has checked `n` of `peer`'s operations in direction `dir`.
     pub(crate) fn set_checked(&self, peer: usize, dir: Dir, n: u64) {
+        assert!(self.writable(), "a peer's mailbox is never written");
         self.word(self.checked_word(peer, dir))
             .store(n, Ordering::Release);
     }
@@ -248,12 +263,14 @@ impl Region {
 
     /// Tells every peer that the owner's communicator broke, so that none waits for it.
     pub(crate) fn set_broken(&self) {
+        assert!(self.writable(), "a peer's mailbox is never written");
         self.word(H_STATUS).store(BROKEN, Ordering::Release);
     }
 
     /// The owner's watchdog says it is alive (`now_ms`, wall-clock milliseconds) and whether
     /// its oldest queued operation is still held up by earlier GPU work of its own (`backlog`).
     pub(crate) fn set_heartbeat(&self, now_ms: u64, backlog: bool) {
+        assert!(self.writable(), "a peer's mailbox is never written");
         self.word(H_BACKLOG).store(u64::from(backlog), Ordering::Relaxed);
         self.word(H_HEARTBEAT).store(now_ms, Ordering::Release);
     }
@@ -322,6 +339,16 @@ mod tests {
     }
 
     #[test]
+    #[should_panic(expected = "a peer's mailbox is never written")]
+    fn a_peer_mailbox_is_read_only() {
+        let dir = std::env::temp_dir();
+        let (_mine, path) = Region::create_file(&dir, 2, 0, 0x123).unwrap();
+        let theirs = Region::open_file(&path, 2, 0, 0x123).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        theirs.set_broken();
+    }
+
+    #[test]
     #[should_panic(expected = "peer 2 of 2")]
     fn a_peer_out_of_range_is_refused() {
         Region::in_process(2, 0).read(2, Dir::Send, 0);
@@ -334,8 +361,8 @@ mod tests {
         let theirs = Region::open_file(&path, 2, 1, 0xabc).unwrap();
         mine.publish(0, Dir::Recv, 0, op(3));
         assert_eq!(theirs.read(0, Dir::Recv, 0), Some(op(3)));
-        theirs.set_broken(); // the same memory
-        assert_eq!(mine.status(), BROKEN);
+        mine.set_broken(); // the same memory
+        assert_eq!(theirs.status(), BROKEN);
         let e = Region::open_file(&path, 2, 1, 0xdef).err().unwrap();
         assert!(e.contains("not rank 1's mailbox"), "{e}");
         assert!(Region::open_file(&path, 3, 1, 0xabc).is_err());
