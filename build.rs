@@ -81,6 +81,7 @@ const CUDART_FUNCTIONS: &[&str] = &[
     "cudaMallocHost",
     "cudaFreeHost",
     "cudaMemcpyAsync",
+    "cudaMemcpyPeerAsync",
     "cudaMemsetAsync",
     "cudaLibraryLoadData",
     "cudaLibraryUnload",

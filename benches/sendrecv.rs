@@ -312,11 +312,21 @@ impl Setup {
         let (send_peer, recv_peer) = (self.receiver().rank(), self.sender().rank());
         let (sender, receiver) = (&self.comms(verified)[self.send], &self.comms(verified)[self.recv]);
         match self.role {
-            Role::Sender => sender.send_range(b.x.as_ref().unwrap(), 0..count, 1, &self.send_s),
-            Role::Receiver => receiver.recv_range(b.y.as_mut().unwrap(), 0..count, 0, &self.recv_s),
+            Role::Sender => sender.send(b.x.as_ref().unwrap().slice(0..count)?, 1, &self.send_s),
+            Role::Receiver => receiver.recv(b.y.as_mut().unwrap().slice_mut(0..count)?, 0, &self.recv_s),
             Role::Both => group(|g| {
-                g.send_range(sender, b.x.as_ref().unwrap(), 0..count, send_peer, &self.send_s)?;
-                g.recv_range(receiver, b.y.as_mut().unwrap(), 0..count, recv_peer, &self.recv_s)
+                g.send(
+                    sender,
+                    b.x.as_ref().unwrap().slice(0..count)?,
+                    send_peer,
+                    &self.send_s,
+                )?;
+                g.recv(
+                    receiver,
+                    b.y.as_mut().unwrap().slice_mut(0..count)?,
+                    recv_peer,
+                    &self.recv_s,
+                )
             }),
         }
     }

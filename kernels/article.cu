@@ -48,3 +48,28 @@ extern "C" __global__ void handoff_delayed_copy(const float* src, float* dst, un
     dst[i] = src[i];
   }
 }
+
+// Fill: every element of dst (n elements of `size` bytes) gets the pattern in lo (and hi, for
+// elements over 8 bytes). `typed` says the elements are aligned to their size (1, 2, 4 or 8),
+// so one store writes one element; otherwise the bytes are written one by one.
+extern "C" __global__ void handoff_fill(unsigned char* dst, unsigned long long n, unsigned int size,
+                                        unsigned int typed, unsigned long long lo,
+                                        unsigned long long hi) {
+  unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    unsigned char* p = dst + i * size;
+    if (typed && size == 1) {
+      *p = (unsigned char)lo;
+    } else if (typed && size == 2) {
+      *(unsigned short*)p = (unsigned short)lo;
+    } else if (typed && size == 4) {
+      *(unsigned int*)p = (unsigned int)lo;
+    } else if (typed && size == 8) {
+      *(unsigned long long*)p = lo;
+    } else {
+      for (unsigned int b = 0; b < size; b++) {
+        p[b] = (unsigned char)(((b < 8) ? (lo >> (8 * b)) : (hi >> (8 * (b - 8)))) & 0xffull);
+      }
+    }
+  }
+}

@@ -1,6 +1,5 @@
 //! [`DeviceBuffer`]: typed device memory whose every use is tracked.
 
-use std::ffi::c_void;
 use std::marker::PhantomData;
 
 use bytemuck::Pod;
@@ -10,7 +9,6 @@ use crate::engine::Tracked;
 use crate::error::{Error, Result};
 use crate::result as cu;
 use crate::stream::Stream;
-use crate::sys::cudart::cudaMemcpyKind;
 use crate::tracking::Access;
 
 /// `len` elements of `T` in one device's memory.
@@ -117,16 +115,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// # Errors
     /// [`Error::InvalidArgument`] if `stream` is on another device; CUDA errors.
     pub fn memset_zero(&mut self, stream: &Stream) -> Result<()> {
-        let bytes = self.byte_len();
-        let ptr = self.ptr.cast::<c_void>();
-        stream.enqueue(&[(&self.tracked, Access::Write)], |s| {
-            if bytes == 0 {
-                return Ok(());
-            }
-            // SAFETY: `ptr` is this buffer's allocation of `bytes` bytes; the stream now waits
-            // for every earlier use.
-            unsafe { cu::memset_async(ptr, 0, bytes, s) }
-        })
+        self.view_mut().memset_zero(stream)
     }
 
     /// Copies `data` into the buffer, on `stream`, after every earlier use; blocks until the
@@ -136,62 +125,16 @@ impl<T: Pod> DeviceBuffer<T> {
     /// [`Error::InvalidArgument`] if the lengths differ or `stream` is on another device; CUDA
     /// errors.
     pub fn copy_from_slice(&mut self, stream: &Stream, data: &[T]) -> Result<()> {
-        self.check_len(data.len(), "the host slice")?;
-        let bytes = self.byte_len();
-        let dst = self.ptr.cast::<c_void>();
-        stream.enqueue(&[(&self.tracked, Access::Write)], |s| {
-            if bytes == 0 {
-                return Ok(());
-            }
-            // SAFETY: `dst` holds `bytes` bytes; `data` is borrowed for the whole call and the
-            // host waits below for the copy to finish, so the source outlives the copy.
-            unsafe {
-                cu::memcpy_async(
-                    dst,
-                    data.as_ptr().cast(),
-                    bytes,
-                    cudaMemcpyKind::cudaMemcpyHostToDevice,
-                    s,
-                )
-            }
-        })?;
-        // The copy reads `data`, which the caller may reuse once this returns.
-        stream.synchronize_raw()
+        self.view_mut().copy_from_slice(stream, data)
     }
 
-    /// Copies the buffer to a new host vector, on `stream`, after the last write to it. Blocks
-    /// until the copy has completed; never forever behind an NCCL receive (see
-    /// [`Stream::synchronize`]).
+    /// Copies the buffer to a new host vector, on `stream`, after the last write to it; see
+    /// [`View::to_vec`](crate::View::to_vec).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `stream` is on another device; CUDA errors, including a
-    /// fault in a kernel that wrote the buffer; [`Error::CommunicatorUnusable`] when the last
-    /// write was an NCCL receive cut short by its communicator's abort.
+    /// As [`View::to_vec`](crate::View::to_vec).
     pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
-        let mut out: Vec<T> = Vec::with_capacity(self.len);
-        let bytes = self.byte_len();
-        let src = self.ptr.cast::<c_void>().cast_const();
-        let dst = out.as_mut_ptr().cast::<c_void>();
-        let written_by = self.tracked.lock().last_write().cloned();
-        stream.enqueue(&[(&self.tracked, Access::Read)], |s| {
-            if bytes == 0 {
-                return Ok(());
-            }
-            // SAFETY: `dst` has capacity for `bytes` bytes and stays allocated until the copy
-            // completes (below; on failure it is leaked); the stream waits for the last write.
-            unsafe { cu::memcpy_async(dst, src, bytes, cudaMemcpyKind::cudaMemcpyDeviceToHost, s) }
-        })?;
-        // SAFETY: the handle is live for as long as `stream`.
-        if let Err(e) = unsafe { cu::stream_synchronize(stream.as_raw()) } {
-            // The copy may still write into `out` later: never free that memory.
-            std::mem::forget(out);
-            return Err(e);
-        }
-        // The copy has completed; its source may have been a receive that an abort cut short.
-        crate::stream::check_poison(written_by.as_deref())?;
-        // SAFETY: the copy above wrote all `len` elements, and any bit pattern is a valid `T`.
-        unsafe { out.set_len(self.len) };
-        Ok(out)
+        self.view().to_vec(stream)
     }
 
     /// Number of elements.
@@ -236,17 +179,6 @@ impl<T: Pod> DeviceBuffer<T> {
             unsafe { cu::event_synchronize(e.raw) }?;
         }
         Ok(())
-    }
-
-    pub(crate) fn check_len(&self, other: usize, what: &str) -> Result<()> {
-        if other == self.len {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(format!(
-                "{what} has {other} elements but the buffer has {}",
-                self.len
-            )))
-        }
     }
 
     pub(crate) fn tracked(&self) -> &Tracked {

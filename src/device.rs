@@ -39,8 +39,6 @@ pub(crate) struct DeviceInner {
     /// the stream's queued work finished (CUDA 13.0, driver 580) although its documentation
     /// says it returns at once.
     streams: Mutex<Vec<cudaStream_t>>,
-    /// Set once the crate's kernels are loaded into this device's context.
-    pub(crate) kernels_loaded: OnceCell<()>,
 }
 
 // SAFETY: the raw handles are CUDA objects that the runtime lets any host thread use; the event
@@ -170,9 +168,21 @@ impl Device {
                 lifecycle,
                 events: Mutex::new(Vec::new()),
                 streams: Mutex::new(Vec::new()),
-                kernels_loaded: OnceCell::new(),
             }),
         })
+    }
+
+    /// A device of ordinal 0 with no CUDA state, for CPU tests of the plain structures.
+    #[cfg(test)]
+    pub(crate) fn for_tests() -> Device {
+        Device {
+            inner: Arc::new(DeviceInner {
+                ordinal: 0,
+                lifecycle: std::ptr::null_mut(),
+                events: Mutex::new(Vec::new()),
+                streams: Mutex::new(Vec::new()),
+            }),
+        }
     }
 
     /// The device's ordinal, as given to [`Device::new`].

@@ -2,8 +2,11 @@
 //! groups all go through [`enqueue`], so there is one recording rule and one fallback.
 //!
 //! 1. Every use's buffer must be on its stream's device ([`check_devices`]).
-//! 2. The streams' [`RecordOrder`]s are held, in stream-id order, for the whole enqueue: a
-//!    stream's tracked operations are queued one at a time, whatever the threads.
+//! 2. The streams' [`RecordOrder`]s are held, in stream-id order, then the buffers' trackers, in
+//!    address order, for the whole enqueue: a stream's tracked operations, and a buffer's, are
+//!    queued one at a time, whatever the threads. (Two writers of one buffer can exist at once,
+//!    through the two halves of `split_at_mut`; each waits for the other's earlier writes, and
+//!    neither's record is lost.)
 //! 3. Each stream waits, on the GPU, for the earlier uses its new use conflicts with
 //!    ([`crate::tracking`]); the host does not block.
 //! 4. `submit` queues the work (a launch; or an NCCL group, which queues nothing before
@@ -125,6 +128,17 @@ pub(crate) fn enqueue<R>(
     for i in by_id {
         held[i] = Some(streams[i].order().hold());
     }
+    // Each distinct tracker once, locked in address order.
+    let mut trackers: Vec<&Tracked> = Vec::with_capacity(uses.len());
+    for u in uses {
+        if !trackers.iter().any(|t| std::ptr::eq(*t, u.tracked)) {
+            trackers.push(u.tracked);
+        }
+    }
+    trackers.sort_by_key(|t| *t as *const Tracked as usize);
+    let mut locked: Vec<MutexGuard<'_, UseTracker<Arc<PooledEvent>>>> =
+        trackers.iter().map(|t| t.lock()).collect();
+    let slot = |t: &Tracked| trackers.iter().position(|u| std::ptr::eq(*u, t)).expect("listed");
     // Per record stream, what its uses' streams ran (and are made to wait for) before.
     let mut before: Vec<Before> = if nccl {
         vec![Vec::new(); streams.len()]
@@ -140,7 +154,8 @@ pub(crate) fn enqueue<R>(
     for u in uses {
         current.set(u.stream.device())?;
         let sink = before.get_mut(index(u.record));
-        u.stream.wait_for_conflicts(u.tracked, u.access, sink)?;
+        u.stream
+            .wait_for_conflicts(&locked[slot(u.tracked)], u.access, sink)?;
     }
     let out = submit(&mut current);
     // In reverse, so that with one device per stream the thread, left on the last operation's
@@ -157,7 +172,7 @@ pub(crate) fn enqueue<R>(
                 || s.record_event(),
                 |event| {
                     for v in mine() {
-                        v.tracked.lock().record(v.stream.id(), v.access, event.clone());
+                        locked[slot(v.tracked)].record(v.stream.id(), v.access, event.clone());
                         v.stream.note_recorded(event, nccl);
                     }
                 },

@@ -159,6 +159,39 @@ pub enum Error {
         detail: String,
     },
 
+    /// A module (PTX, cubin or fatbin) could not be loaded.
+    #[error(
+        "loading the module {module} failed: {source}. Check that the PTX comes from an nvcc or NVRTC no newer than the driver, and for the devices in use"
+    )]
+    Module {
+        /// Where the module came from.
+        module: String,
+        /// The runtime's error.
+        #[source]
+        source: Box<Error>,
+    },
+
+    /// A module has no kernel of the name asked for.
+    #[error(
+        "the module {module} has no kernel named {name:?}: check the name (declare the kernel \
+         extern \"C\" to keep it unmangled) against the module's .entry lines"
+    )]
+    FunctionNotFound {
+        /// Where the module came from.
+        module: String,
+        /// The name asked for.
+        name: String,
+    },
+
+    /// A launch's grid, blocks or shared memory are beyond CUDA's or the kernel's limits.
+    #[error("cannot launch {kernel}: {detail}")]
+    LaunchConfig {
+        /// The kernel.
+        kernel: String,
+        /// What is beyond which limit.
+        detail: String,
+    },
+
     /// Exchanging the unique id between processes failed.
     #[error("bootstrap at {addr} failed: {detail}")]
     Bootstrap {

@@ -7,64 +7,42 @@
 //! - [`busy`] is work C: independent of any buffer, of a chosen duration, to overlap with
 //!   transfers.
 //! - [`delayed_copy`] reads a buffer after a delay: a long read, for showing hazards.
+//!
+//! They are launched through the same [`Module`] and launch builder as users' own kernels.
 
-use std::ffi::{CStr, c_void};
 use std::time::Duration;
 
+use bytemuck::Pod;
 use once_cell::sync::OnceCell;
 
 use crate::buffer::DeviceBuffer;
-use crate::error::Result;
-use crate::result as cu;
+use crate::error::{Error, Result};
+use crate::module::{Function, LaunchConfig, Module};
 use crate::stream::Stream;
-use crate::sys::cudart::cudaKernel_t;
 use crate::sys::ptx;
-use crate::tracking::Access;
+use crate::view::{ViewMut, check_len};
 
-struct Loaded {
-    produce: cudaKernel_t,
-    twice: cudaKernel_t,
-    busy: cudaKernel_t,
-    delayed_copy: cudaKernel_t,
+/// The crate's kernels, launched through the same [`Module`] API as users' own.
+struct Builtins {
+    produce: Function,
+    twice: Function,
+    busy: Function,
+    delayed_copy: Function,
+    fill: Function,
 }
 
-// SAFETY: kernel handles of a context-independent library are valid on every thread and
-// device; they are never unloaded (the library lives for the whole process).
-unsafe impl Send for Loaded {}
-// SAFETY: as above; the handles are only read.
-unsafe impl Sync for Loaded {}
+static BUILTINS: OnceCell<Result<Builtins>> = OnceCell::new();
 
-static KERNELS: OnceCell<Result<Loaded>> = OnceCell::new();
-
-/// The kernels, loaded into `stream`'s device before the first launch there, so that CUDA's
-/// lazy loading (which can wait for work already running on the device) happens once, up front,
-/// and never between two operations whose ordering a test or a user relies on.
-fn kernels(stream: &Stream) -> Result<&'static Loaded> {
-    let k = library()?;
-    stream.device().inner.kernels_loaded.get_or_try_init(|| {
-        stream.device().set_current()?;
-        for kernel in [k.produce, k.twice, k.busy, k.delayed_copy] {
-            // SAFETY: handles of a library that is never unloaded.
-            unsafe { cu::kernel_load_on_current_device(kernel) }?;
-        }
-        Ok::<(), crate::Error>(())
-    })?;
-    Ok(k)
-}
-
-fn library() -> Result<&'static Loaded> {
-    KERNELS
+fn builtins() -> Result<&'static Builtins> {
+    BUILTINS
         .get_or_init(|| {
-            let lib = cu::library_load_ptx(ptx::ARTICLE)?;
-            let get = |name: &CStr| {
-                // SAFETY: `lib` was just loaded and is never unloaded.
-                unsafe { cu::library_get_kernel(lib, name) }
-            };
-            Ok(Loaded {
-                produce: get(c"handoff_produce")?,
-                twice: get(c"handoff_twice")?,
-                busy: get(c"handoff_busy")?,
-                delayed_copy: get(c"handoff_delayed_copy")?,
+            let m = Module::from_image(ptx::ARTICLE)?;
+            Ok(Builtins {
+                produce: m.function("handoff_produce")?,
+                twice: m.function("handoff_twice")?,
+                busy: m.function("handoff_busy")?,
+                delayed_copy: m.function("handoff_delayed_copy")?,
+                fill: m.function("handoff_fill")?,
             })
         })
         .as_ref()
@@ -80,44 +58,45 @@ fn grid_for(n: usize) -> u32 {
     (n as u64).div_ceil(u64::from(BLOCK)).clamp(1, MAX_GRID) as u32
 }
 
+fn config(blocks: u32, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid: (blocks, 1, 1),
+        block: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The longest wait [`busy`] and [`delayed_copy`] accept: a stream held for longer is a hang in
 /// all but name.
 pub const MAX_WAIT: Duration = Duration::from_secs(600);
 
 fn nanos(d: Duration) -> Result<u64> {
     if d > MAX_WAIT {
-        return Err(crate::Error::InvalidArgument(format!(
+        return Err(Error::InvalidArgument(format!(
             "a GPU-side wait of {d:?} is longer than the {MAX_WAIT:?} allowed"
         )));
     }
     Ok(d.as_nanos() as u64)
 }
 
-fn arg<T>(v: &mut T) -> *mut c_void {
-    (v as *mut T).cast()
-}
-
 /// Kernel A: writes `x[i] = ((i + round) mod 2^24) + 1` on `stream`, after every earlier use of
 /// `x`.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if `x` is on another device than `stream`; CUDA errors (loading
-/// the PTX, launching).
+/// [`Error::InvalidArgument`] if `x` is on another device than
+/// `stream`; CUDA errors (loading the PTX, launching).
 pub fn produce(stream: &Stream, x: &mut DeviceBuffer<f32>, round: u32) -> Result<()> {
-    let k = kernels(stream)?.produce;
-    let (mut p, mut n, mut r) = (x.as_raw_mut_ptr(), x.len() as u64, round);
-    stream.enqueue(&[(x.tracked(), Access::Write)], |s| {
-        // SAFETY: the arguments match `handoff_produce(float*, u64, u32)`; `p` holds `n` floats.
-        unsafe {
-            cu::launch_kernel(
-                k,
-                grid_for(n as usize),
-                BLOCK,
-                &mut [arg(&mut p), arg(&mut n), arg(&mut r)],
-                s,
-            )
-        }
-    })
+    let k = &builtins()?.produce;
+    let n = x.len();
+    // SAFETY: handoff_produce(float* x, u64 n, u32 round) writes x[0..n] only, and ends.
+    unsafe {
+        stream
+            .launch_builder(k)
+            .arg(x)
+            .arg(n as u64)
+            .arg(round)
+            .launch(config(grid_for(n), BLOCK))
+    }
 }
 
 /// The value kernel A writes at index `i` in round `round`, for checking on the host.
@@ -128,41 +107,33 @@ pub fn produced_value(i: usize, round: u32) -> f32 {
 /// Kernel B: `y = 2x` on `stream`, after the last write to `x` and every earlier use of `y`.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if the lengths differ or a buffer is on another device; CUDA
-/// errors.
+/// [`Error::InvalidArgument`] if the lengths differ or a buffer
+/// is on another device; CUDA errors.
 pub fn twice(stream: &Stream, x: &DeviceBuffer<f32>, y: &mut DeviceBuffer<f32>) -> Result<()> {
-    y.check_len(x.len(), "x")?;
-    let k = kernels(stream)?.twice;
-    let (mut px, mut py, mut n) = (x.as_raw_ptr(), y.as_raw_mut_ptr(), x.len() as u64);
-    stream.enqueue(
-        &[(x.tracked(), Access::Read), (y.tracked(), Access::Write)],
-        |s| {
-            // SAFETY: the arguments match `handoff_twice(const float*, float*, u64)`; both hold `n`.
-            unsafe {
-                cu::launch_kernel(
-                    k,
-                    grid_for(n as usize),
-                    BLOCK,
-                    &mut [arg(&mut px), arg(&mut py), arg(&mut n)],
-                    s,
-                )
-            }
-        },
-    )
+    check_len(y.len(), x.len(), "x")?;
+    let k = &builtins()?.twice;
+    let n = x.len();
+    // SAFETY: handoff_twice(const float* x, float* y, u64 n) reads x[0..n], writes y[0..n].
+    unsafe {
+        stream
+            .launch_builder(k)
+            .arg(x)
+            .arg(y)
+            .arg(n as u64)
+            .launch(config(grid_for(n), BLOCK))
+    }
 }
 
 /// Work C: keeps one GPU thread busy for `duration` on `stream`, touching no memory.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a duration over [`MAX_WAIT`];
+/// [`Error::InvalidArgument`] for a duration over [`MAX_WAIT`];
 /// CUDA errors.
 pub fn busy(stream: &Stream, duration: Duration) -> Result<()> {
-    let k = kernels(stream)?.busy;
-    let mut ns = nanos(duration)?;
-    stream.enqueue(&[], |s| {
-        // SAFETY: the argument matches `handoff_busy(u64)`.
-        unsafe { cu::launch_kernel(k, 1, 1, &mut [arg(&mut ns)], s) }
-    })
+    let ns = nanos(duration)?;
+    let k = &builtins()?.busy;
+    // SAFETY: handoff_busy(u64 ns) touches no memory and ends after `ns` (at most MAX_WAIT).
+    unsafe { stream.launch_builder(k).arg(ns).launch(config(1, 1)) }
 }
 
 /// Blocks for [`delayed_copy`]: few, so that its long wait holds only a few multiprocessors.
@@ -174,36 +145,60 @@ const DELAYED_COPY_BLOCKS: u32 = 16;
 /// A long read: waits `delay` on the GPU, then copies `src` into `dst`, on `stream`.
 ///
 /// # Errors
-/// As [`twice`].
+/// As [`twice`], and as [`busy`] for the delay.
 pub fn delayed_copy(
     stream: &Stream,
     src: &DeviceBuffer<f32>,
     dst: &mut DeviceBuffer<f32>,
     delay: Duration,
 ) -> Result<()> {
-    dst.check_len(src.len(), "src")?;
-    let k = kernels(stream)?.delayed_copy;
-    let (mut ps, mut pd, mut n, mut ns) = (
-        src.as_raw_ptr(),
-        dst.as_raw_mut_ptr(),
-        src.len() as u64,
-        nanos(delay)?,
-    );
-    stream.enqueue(
-        &[(src.tracked(), Access::Read), (dst.tracked(), Access::Write)],
-        |s| {
-            // SAFETY: the arguments match `handoff_delayed_copy(const float*, float*, u64, u64)`.
-            unsafe {
-                cu::launch_kernel(
-                    k,
-                    grid_for(n as usize).min(DELAYED_COPY_BLOCKS),
-                    BLOCK,
-                    &mut [arg(&mut ps), arg(&mut pd), arg(&mut n), arg(&mut ns)],
-                    s,
-                )
-            }
-        },
-    )
+    check_len(dst.len(), src.len(), "src")?;
+    let ns = nanos(delay)?;
+    let k = &builtins()?.delayed_copy;
+    let n = src.len();
+    // SAFETY: handoff_delayed_copy(const float* src, float* dst, u64 n, u64 ns) reads src[0..n],
+    // writes dst[0..n], and ends after at most MAX_WAIT plus the copy.
+    unsafe {
+        stream
+            .launch_builder(k)
+            .arg(src)
+            .arg(dst)
+            .arg(n as u64)
+            .arg(ns)
+            .launch(config(grid_for(n).min(DELAYED_COPY_BLOCKS), BLOCK))
+    }
+}
+
+/// Sets every element of `dst` to `value` (see [`ViewMut::fill`]).
+pub(crate) fn fill<T: Pod>(stream: &Stream, dst: ViewMut<'_, T>, value: T) -> Result<()> {
+    let size = std::mem::size_of::<T>();
+    if size > 16 {
+        return Err(Error::InvalidArgument(format!(
+            "fill takes elements of at most 16 bytes; {} has {size}",
+            std::any::type_name::<T>()
+        )));
+    }
+    let mut pattern = [0u8; 16];
+    pattern[..size].copy_from_slice(bytemuck::bytes_of(&value));
+    let lo = u64::from_le_bytes(pattern[..8].try_into().expect("8 bytes"));
+    let hi = u64::from_le_bytes(pattern[8..].try_into().expect("8 bytes"));
+    let typed = u32::from(matches!(size, 1 | 2 | 4 | 8) && std::mem::align_of::<T>() == size);
+    let k = &builtins()?.fill;
+    let n = dst.len();
+    // SAFETY: handoff_fill(u8* dst, u64 n, u32 size, u32 typed, u64 lo, u64 hi) writes the
+    // n × size bytes of dst, with stores of `size` bytes only where `typed` says the elements
+    // are aligned to their size; it ends.
+    unsafe {
+        stream
+            .launch_builder(k)
+            .arg(dst)
+            .arg(n as u64)
+            .arg(size as u32)
+            .arg(typed)
+            .arg(lo)
+            .arg(hi)
+            .launch(config(grid_for(n), BLOCK))
+    }
 }
 
 #[cfg(test)]
@@ -224,7 +219,7 @@ mod tests {
     }
 
     #[test]
-    fn gpu_waits_are_bounded() {
+    fn gpu_waits_are_bounded_at_ten_minutes() {
         assert_eq!(nanos(Duration::from_millis(3)).unwrap(), 3_000_000);
         assert!(nanos(MAX_WAIT).is_ok());
         assert!(nanos(Duration::MAX).is_err());
@@ -247,6 +242,7 @@ mod tests {
             "handoff_twice",
             "handoff_busy",
             "handoff_delayed_copy",
+            "handoff_fill",
         ] {
             assert!(text.contains(&format!(".entry {k}")), "{k} missing from the PTX");
         }

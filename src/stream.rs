@@ -2,12 +2,15 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use bytemuck::Pod;
+
 use crate::device::{Device, PooledEvent};
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::result as cu;
 use crate::sys::cudart::{cudaEvent_t, cudaStream_t};
-use crate::tracking::{Access, RecordOrder, StreamId, record_and_store};
+use crate::tracking::{Access, RecordOrder, StreamId, UseTracker, record_and_store};
+use crate::view::{View, ViewMut};
 
 /// A CUDA stream: a queue of GPU work that runs in order.
 ///
@@ -70,6 +73,18 @@ impl Stream {
             order: RecordOrder::default(),
             last: Mutex::default(),
         })
+    }
+
+    /// A stream with a null handle, for CPU tests that never queue work on it.
+    #[cfg(test)]
+    pub(crate) fn for_tests(device: &Device) -> Stream {
+        Stream {
+            raw: std::ptr::null_mut(),
+            id: StreamId::fresh(),
+            device: device.clone(),
+            order: RecordOrder::default(),
+            last: Mutex::default(),
+        }
     }
 
     /// The device the stream belongs to.
@@ -216,15 +231,15 @@ impl Stream {
         self.check_device(&t.device, what)
     }
 
-    /// Makes this stream wait, on the GPU, for the uses of `t` that an `access` here conflicts
-    /// with, adding them to `waited` if given. The stream's device must be current.
+    /// Makes this stream wait, on the GPU, for the uses in `tracker` (locked by the caller) that
+    /// an `access` here conflicts with, adding them to `waited` if given. The stream's device
+    /// must be current.
     pub(crate) fn wait_for_conflicts(
         &self,
-        t: &Tracked,
+        tracker: &UseTracker<Arc<PooledEvent>>,
         access: Access,
         mut waited: Option<&mut Vec<Arc<PooledEvent>>>,
     ) -> Result<()> {
-        let tracker = t.lock();
         for e in tracker.waits(self.id, access) {
             // SAFETY: the stream is live; the event is kept alive by the tracker.
             unsafe { cu::stream_wait_event(self.raw, e.raw)? };
@@ -247,6 +262,80 @@ impl Stream {
         // SAFETY: both handles are live and of the same device.
         unsafe { cu::event_record(event.raw, self.raw)? };
         Ok(event)
+    }
+}
+
+/// A buffer's use by raw work, declared for [`Stream::raw_use`]: a read of a [`View`] or a write
+/// of a [`ViewMut`] (or of a whole buffer), borrowed for as long as the declaration lives.
+#[derive(Clone, Copy)]
+pub struct RawUse<'a> {
+    tracked: &'a Tracked,
+    access: Access,
+}
+
+impl std::fmt::Debug for RawUse<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawUse").field("access", &self.access).finish()
+    }
+}
+
+impl<'a> RawUse<'a> {
+    /// The raw work reads `buf`.
+    pub fn read<T: Pod>(buf: impl Into<View<'a, T>>) -> RawUse<'a> {
+        RawUse {
+            tracked: buf.into().tracked(),
+            access: Access::Read,
+        }
+    }
+
+    /// The raw work writes (and may read) `buf`.
+    pub fn write<T: Pod>(buf: impl Into<ViewMut<'a, T>>) -> RawUse<'a> {
+        RawUse {
+            tracked: buf.into().tracked(),
+            access: Access::Write,
+        }
+    }
+}
+
+impl Stream {
+    /// Runs `work`, which queues raw CUDA work (cuBLAS, cudarc, a runtime call) on this stream's
+    /// handle, as one tracked operation that uses `uses`: before it, the stream waits on the GPU
+    /// for the conflicting earlier uses of those buffers on other streams; after it, the event
+    /// that tracks them is recorded, so later tracked work, host reads and frees order after the
+    /// raw work. Returns what `work` returns.
+    ///
+    /// ```no_run
+    /// # fn main() -> handoff::Result<()> {
+    /// use handoff::{Device, DeviceBuffer, RawUse, Stream};
+    /// let stream = Stream::new(&Device::new(0)?)?;
+    /// let x = DeviceBuffer::<f32>::zeros(&stream, 256)?;
+    /// let mut y = DeviceBuffer::<f32>::zeros(&stream, 256)?;
+    /// let (src, dst, bytes) = (x.as_raw_ptr(), y.as_raw_mut_ptr(), y.byte_len());
+    /// // SAFETY: the copy reads x and writes y within their lengths, on this stream only.
+    /// unsafe {
+    ///     stream.raw_use(&[RawUse::read(&x), RawUse::write(&mut y)], |s| {
+    ///         handoff::result::memcpy_async(dst.cast(), src.cast(), bytes,
+    ///             handoff::sys::cudart::cudaMemcpyKind::cudaMemcpyDeviceToDevice, s)
+    ///     })??;
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Safety
+    /// - `work` queues work only on the stream it is given (or joins any other stream it uses
+    ///   back into it, with events, before returning), and returns once it is queued;
+    /// - that work reads only the buffers declared in `uses`, and writes only those declared
+    ///   written, within their views' elements;
+    /// - `work` calls nothing of handoff's on this stream or these buffers (their locks are held
+    ///   while it runs: such a call waits forever).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a buffer on another device; CUDA errors from the waits or
+    /// the recording.
+    pub unsafe fn raw_use<R>(&self, uses: &[RawUse<'_>], work: impl FnOnce(cudaStream_t) -> R) -> Result<R> {
+        let uses: Vec<(&Tracked, Access)> = uses.iter().map(|u| (u.tracked, u.access)).collect();
+        self.enqueue(&uses, |s| Ok(work(s)))
     }
 }
 

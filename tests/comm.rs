@@ -166,8 +166,8 @@ fn grouped_ranges() -> Result<(), Failed> {
     let me = comm.rank();
     group(|g| {
         // x's lower half into y's upper half, on s1; all of x into z, on s2.
-        g.send_range(&comm, &x, 0..n / 2, me, &s1)?;
-        g.recv_range(&comm, &mut y, n / 2..n, me, &s1)?;
+        g.send(&comm, x.slice(0..n / 2)?, me, &s1)?;
+        g.recv(&comm, y.slice_mut(n / 2..n)?, me, &s1)?;
         g.send(&comm, &x, me, &s2)?;
         g.recv(&comm, &mut z, me, &s2)
     })?;
@@ -233,24 +233,24 @@ fn bad_arguments() -> Result<(), Failed> {
     let x = DeviceBuffer::from_slice(&s, &[1.0f32; 8])?;
     let mut y = DeviceBuffer::<f32>::zeros(&s, 8)?;
     expect_invalid("peer out of range", comm.send(&x, 1, &s))?;
-    expect_invalid("range beyond the buffer", comm.send_range(&x, 4..9, 0, &s))?;
+    expect_invalid("range beyond the buffer", x.slice(4..9))?;
     expect_invalid("send to oneself outside a group", comm.send(&x, 0, &s))?;
     expect_invalid("receive from oneself outside a group", comm.recv(&mut y, 0, &s))?;
     expect_invalid(
         "self send and receive of different counts",
         group(|g| {
-            g.send_range(&comm, &x, 0..8, 0, &s)?;
-            g.recv_range(&comm, &mut y, 0..7, 0, &s)
+            g.send(&comm, x.slice(0..8)?, 0, &s)?;
+            g.recv(&comm, y.slice_mut(0..7)?, 0, &s)
         }),
     )?;
     let mut y2 = DeviceBuffer::<f32>::zeros(&s, 8)?;
     expect_invalid(
         "self sends and receives of the same counts in another order",
         group(|g| {
-            g.send_range(&comm, &x, 0..8, 0, &s)?;
-            g.send_range(&comm, &x, 0..4, 0, &s)?;
-            g.recv_range(&comm, &mut y, 0..4, 0, &s)?;
-            g.recv_range(&comm, &mut y2, 0..8, 0, &s)
+            g.send(&comm, x.slice(0..8)?, 0, &s)?;
+            g.send(&comm, x.slice(0..4)?, 0, &s)?;
+            g.recv(&comm, y.slice_mut(0..4)?, 0, &s)?;
+            g.recv(&comm, y2.slice_mut(0..8)?, 0, &s)
         }),
     )?;
     let id = UniqueId::new()?;

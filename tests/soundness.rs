@@ -86,7 +86,7 @@ fn short_receive_in_one_process() -> Result<(), Failed> {
     let mut y = DeviceBuffer::<f32>::zeros(&s1, n)?;
     let r = group(|g| {
         g.send(&comms[0], &x, 1, &s0)?;
-        g.recv_range(&comms[1], &mut y, 0..3 * n / 4, 0, &s1)
+        g.recv(&comms[1], y.slice_mut(0..3 * n / 4)?, 0, &s1)
     });
     match r {
         Err(Error::InvalidArgument(m)) => println!("refused: {m}"),
@@ -163,7 +163,7 @@ fn short_receive_across_threads() -> Result<(), Failed> {
             kernels::produce(&s, &mut x, 0).map_err(|e| e.to_string())?;
             comm.send(&x, 1, &s)
         } else {
-            comm.recv_range(&mut x, 0..3 * n / 4, 0, &s)
+            comm.recv(x.slice_mut(0..3 * n / 4).map_err(|e| e.to_string())?, 0, &s)
         };
         let untouched = x.to_vec(&s).map_err(|e| e.to_string())?.iter().all(|&v| v == 0.0);
         match r {

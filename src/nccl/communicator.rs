@@ -5,7 +5,6 @@ use std::cell::Cell;
 use std::collections::VecDeque;
 use std::fmt;
 use std::marker::PhantomData;
-use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -26,6 +25,7 @@ use crate::result::nccl as nc;
 use crate::stream::Stream;
 use crate::sys::nccl::{ncclComm_t, ncclResult_t};
 use crate::tracking::Access;
+use crate::view::{View, ViewMut};
 
 /// One rank of an NCCL communicator, bound to one GPU.
 ///
@@ -576,8 +576,9 @@ impl Communicator {
         self.shared.lock().broken.clone()
     }
 
-    /// Sends all of `buf` to rank `peer`, on `stream`: after every earlier write of `buf`, and
-    /// before any later write of it (on any stream) may start.
+    /// Sends `buf` (a buffer, or a [`View`] of part of one) to rank `peer`, on `stream`: after
+    /// every earlier write of the buffer, and before any later write of it (on any stream) may
+    /// start. Tracking is per buffer: the whole buffer counts as read.
     ///
     /// The peer posts a matching [`Communicator::recv`] of the same count and type, in the
     /// same order; verification (on by default) waits, on the host and with the timeout, until
@@ -589,47 +590,30 @@ impl Communicator {
     /// [`Error::Mismatch`] when the peer's receive differs, [`Error::Timeout`] when it does not
     /// come, [`Error::PeerBroken`] when the peer's communicator broke, NCCL errors: after these
     /// the communicator is aborted.
-    pub fn send<T: NcclType>(&self, buf: &DeviceBuffer<T>, peer: usize, stream: &Stream) -> Result<()> {
+    pub fn send<'b, T: NcclType>(
+        &self,
+        buf: impl Into<View<'b, T>>,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let buf = buf.into();
         group(|g| g.send(self, buf, peer, stream))
     }
 
-    /// Sends the elements `range` of `buf`. As [`Communicator::send`]; the whole buffer counts
-    /// as read for tracking.
-    ///
-    /// # Errors
-    /// As [`Communicator::send`], and [`Error::InvalidArgument`] for a range outside `buf`.
-    pub fn send_range<T: NcclType>(
-        &self,
-        buf: &DeviceBuffer<T>,
-        range: Range<usize>,
-        peer: usize,
-        stream: &Stream,
-    ) -> Result<()> {
-        group(|g| g.send_range(self, buf, range, peer, stream))
-    }
-
-    /// Receives into all of `buf` from rank `peer`, on `stream`: after every earlier use of
-    /// `buf`, and before any later use of it may start.
+    /// Receives into `buf` (a buffer, or a [`ViewMut`] of part of one) from rank `peer`, on
+    /// `stream`: after every earlier use of the buffer, and before any later use of it may
+    /// start. Tracking is per buffer: the whole buffer counts as written.
     ///
     /// # Errors
     /// As [`Communicator::send`].
-    pub fn recv<T: NcclType>(&self, buf: &mut DeviceBuffer<T>, peer: usize, stream: &Stream) -> Result<()> {
-        group(|g| g.recv(self, buf, peer, stream))
-    }
-
-    /// Receives into the elements `range` of `buf`. As [`Communicator::recv`]; the whole buffer
-    /// counts as written for tracking.
-    ///
-    /// # Errors
-    /// As [`Communicator::send_range`].
-    pub fn recv_range<T: NcclType>(
+    pub fn recv<'b, T: NcclType>(
         &self,
-        buf: &mut DeviceBuffer<T>,
-        range: Range<usize>,
+        buf: impl Into<ViewMut<'b, T>>,
         peer: usize,
         stream: &Stream,
     ) -> Result<()> {
-        group(|g| g.recv_range(self, buf, range, peer, stream))
+        let buf = buf.into();
+        group(|g| g.recv(self, buf, peer, stream))
     }
 
     /// Blocks the host until every operation this communicator queued has completed on the GPU,

@@ -3,10 +3,8 @@
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
-use std::ops::Range;
 use std::time::Instant;
 
-use crate::buffer::DeviceBuffer;
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, Cut, State, usable};
@@ -17,6 +15,7 @@ use crate::result::nccl as nc;
 use crate::stream::Stream;
 use crate::sys::nccl::{ncclDataType_t, ncclResult_t};
 use crate::tracking::Access;
+use crate::view::{View, ViewMut};
 
 /// One send or receive, checked and waiting for [`Group`] to submit it.
 struct Op<'a> {
@@ -90,80 +89,48 @@ pub fn group<'a, R>(f: impl FnOnce(&mut Group<'a>) -> Result<R>) -> Result<R> {
 }
 
 impl<'a> Group<'a> {
-    /// Adds a send of all of `buf`; see [`Communicator::send`].
+    /// Adds a send of `buf` (a buffer or a [`View`] of part of one); see
+    /// [`Communicator::send`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`]; [`Error::CommunicatorUnusable`].
     pub fn send<T: NcclType>(
         &mut self,
         comm: &'a Communicator,
-        buf: &'a DeviceBuffer<T>,
+        buf: impl Into<View<'a, T>>,
         peer: usize,
         stream: &'a Stream,
     ) -> Result<()> {
-        self.send_range(comm, buf, 0..buf.len(), peer, stream)
-    }
-
-    /// Adds a send of the elements `range` of `buf`.
-    ///
-    /// # Errors
-    /// As [`Group::send`].
-    pub fn send_range<T: NcclType>(
-        &mut self,
-        comm: &'a Communicator,
-        buf: &'a DeviceBuffer<T>,
-        range: Range<usize>,
-        peer: usize,
-        stream: &'a Stream,
-    ) -> Result<()> {
-        let ptr = buf.as_raw_ptr().cast_mut();
+        let v = buf.into();
         self.push::<T>(
             comm,
-            buf.tracked(),
-            buf.len(),
-            ptr,
-            range,
+            v.tracked(),
+            v.as_raw_ptr().cast_mut(),
+            v.len(),
             peer,
             stream,
             Access::Read,
         )
     }
 
-    /// Adds a receive into all of `buf`; see [`Communicator::recv`].
+    /// Adds a receive into `buf` (a buffer or a [`ViewMut`] of part of one); see
+    /// [`Communicator::recv`].
     ///
     /// # Errors
     /// As [`Group::send`].
     pub fn recv<T: NcclType>(
         &mut self,
         comm: &'a Communicator,
-        buf: &'a mut DeviceBuffer<T>,
+        buf: impl Into<ViewMut<'a, T>>,
         peer: usize,
         stream: &'a Stream,
     ) -> Result<()> {
-        let len = buf.len();
-        self.recv_range(comm, buf, 0..len, peer, stream)
-    }
-
-    /// Adds a receive into the elements `range` of `buf`.
-    ///
-    /// # Errors
-    /// As [`Group::send`].
-    pub fn recv_range<T: NcclType>(
-        &mut self,
-        comm: &'a Communicator,
-        buf: &'a mut DeviceBuffer<T>,
-        range: Range<usize>,
-        peer: usize,
-        stream: &'a Stream,
-    ) -> Result<()> {
-        let ptr = buf.as_raw_mut_ptr();
-        let buf: &'a DeviceBuffer<T> = buf;
+        let mut v = buf.into();
         self.push::<T>(
             comm,
-            buf.tracked(),
-            buf.len(),
-            ptr,
-            range,
+            v.tracked(),
+            v.as_raw_mut_ptr(),
+            v.len(),
             peer,
             stream,
             Access::Write,
@@ -175,9 +142,8 @@ impl<'a> Group<'a> {
         &mut self,
         comm: &'a Communicator,
         tracked: &'a Tracked,
-        len: usize,
-        base: *mut T,
-        range: Range<usize>,
+        ptr: *mut T,
+        count: usize,
         peer: usize,
         stream: &'a Stream,
         access: Access,
@@ -190,26 +156,19 @@ impl<'a> Group<'a> {
                 comm.world_size()
             )));
         }
-        if range.start > range.end || range.end > len {
-            return Err(Error::InvalidArgument(format!(
-                "{what} range {range:?} is outside a buffer of {len} elements"
-            )));
-        }
         stream.check_device(comm.device(), "the communicator")?;
         stream.check_tracked(tracked, access)?;
-        if range.is_empty() {
+        if count == 0 {
             // Defined as a no-op on both sides: NCCL is not called and nothing is tracked.
             return Ok(());
         }
-        // SAFETY: `range.start < len`, so the offset stays inside the allocation.
-        let ptr = unsafe { base.add(range.start) }.cast::<c_void>();
         self.ops.push(Op {
             comm,
             stream,
             tracked,
             access,
-            ptr,
-            count: range.len(),
+            ptr: ptr.cast::<c_void>(),
+            count,
             dtype: T::DATATYPE,
             peer,
         });

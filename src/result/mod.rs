@@ -324,30 +324,6 @@ pub unsafe fn free_host(p: *mut c_void) -> Result<()> {
     check("cudaFreeHost", unsafe { lib()?.cudaFreeHost(p) })
 }
 
-/// `cudaLibraryLoadData` for NUL-terminated PTX, with no options: the library is context
-/// independent and each device JIT-compiles it at its first use there.
-pub fn library_load_ptx(ptx: &[u8]) -> Result<cudaLibrary_t> {
-    if ptx.last() != Some(&0) {
-        return Err(Error::InvalidArgument("PTX must be NUL-terminated".into()));
-    }
-    let mut library = std::ptr::null_mut();
-    // SAFETY: `ptx` is a NUL-terminated PTX image that outlives the call (the runtime copies it);
-    // no JIT or library options are passed (null arrays with count 0).
-    check("cudaLibraryLoadData", unsafe {
-        lib()?.cudaLibraryLoadData(
-            &mut library,
-            ptx.as_ptr().cast(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            0,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            0,
-        )
-    })?;
-    Ok(library)
-}
-
 /// `cudaLibraryGetKernel`.
 ///
 /// # Safety
@@ -361,21 +337,6 @@ pub unsafe fn library_get_kernel(library: cudaLibrary_t, name: &CStr) -> Result<
     Ok(k)
 }
 
-/// Loads `kernel` into the current device's context now (`cudaFuncGetAttributes` needs it
-/// loaded), instead of at its first launch. CUDA loads modules lazily by default, and a lazy
-/// load can wait for work already running on the device.
-///
-/// # Safety
-/// `kernel` is a live kernel handle.
-pub unsafe fn kernel_load_on_current_device(kernel: cudaKernel_t) -> Result<()> {
-    let mut attrs = MaybeUninit::<rt::cudaFuncAttributes>::zeroed();
-    // SAFETY: the runtime accepts a cudaKernel_t where it takes a function symbol; it fills
-    // the attribute struct, whose layout bindgen took from the same header.
-    check("cudaFuncGetAttributes", unsafe {
-        lib()?.cudaFuncGetAttributes(attrs.as_mut_ptr(), kernel.cast_const().cast())
-    })
-}
-
 /// `cudaLaunchKernel` with a `cudaKernel_t`, which the runtime accepts in place of a function
 /// symbol.
 ///
@@ -384,16 +345,91 @@ pub unsafe fn kernel_load_on_current_device(kernel: cudaKernel_t) -> Result<()> 
 /// every device pointer among them is valid for what the kernel does, ordered on `s`.
 pub unsafe fn launch_kernel(
     kernel: cudaKernel_t,
-    grid: u32,
-    block: u32,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    shared_mem_bytes: u32,
     args: &mut [*mut c_void],
     s: cudaStream_t,
 ) -> Result<()> {
-    let grid = dim3 { x: grid, y: 1, z: 1 };
-    let block = dim3 { x: block, y: 1, z: 1 };
+    let grid = dim3 {
+        x: grid.0,
+        y: grid.1,
+        z: grid.2,
+    };
+    let block = dim3 {
+        x: block.0,
+        y: block.1,
+        z: block.2,
+    };
     // SAFETY: the caller vouches for the arguments and the stream.
     check("cudaLaunchKernel", unsafe {
-        lib()?.cudaLaunchKernel(kernel.cast_const().cast(), grid, block, args.as_mut_ptr(), 0, s)
+        lib()?.cudaLaunchKernel(
+            kernel.cast_const().cast(),
+            grid,
+            block,
+            args.as_mut_ptr(),
+            shared_mem_bytes as usize,
+            s,
+        )
+    })
+}
+
+/// `cudaFuncGetAttributes` for a `cudaKernel_t` on the current device (which also loads it
+/// there, if CUDA loads modules lazily).
+///
+/// # Safety
+/// `kernel` is a live kernel handle.
+pub unsafe fn kernel_attributes(kernel: cudaKernel_t) -> Result<rt::cudaFuncAttributes> {
+    let mut attrs = MaybeUninit::<rt::cudaFuncAttributes>::zeroed();
+    // SAFETY: the runtime accepts a cudaKernel_t where it takes a function symbol; it fills the
+    // attribute struct, whose layout bindgen took from the same header.
+    check("cudaFuncGetAttributes", unsafe {
+        lib()?.cudaFuncGetAttributes(attrs.as_mut_ptr(), kernel.cast_const().cast())
+    })?;
+    // SAFETY: zeroed, then filled by the runtime; every field is plain data.
+    Ok(unsafe { attrs.assume_init() })
+}
+
+/// `cudaLibraryLoadData` for a PTX (NUL-terminated), cubin or fatbin image, with no options.
+///
+/// # Safety
+/// A PTX image ends with a NUL byte (the runtime reads PTX as a C string); a binary image is a
+/// whole cubin or fatbin (the runtime reads the sizes it declares).
+pub unsafe fn library_load_image(image: &[u8]) -> Result<cudaLibrary_t> {
+    let mut library = std::ptr::null_mut();
+    // SAFETY: the caller vouches for the image, which outlives the call (the runtime copies it);
+    // no JIT or library options are passed (null arrays with count 0).
+    check("cudaLibraryLoadData", unsafe {
+        lib()?.cudaLibraryLoadData(
+            &mut library,
+            image.as_ptr().cast(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0,
+        )
+    })?;
+    Ok(library)
+}
+
+/// `cudaMemcpyPeerAsync`: `bytes` from `src` on device `src_device` to `dst` on `dst_device`,
+/// ordered on `s`.
+///
+/// # Safety
+/// Both pointers are device memory valid for `bytes` bytes on their devices, ordered on `s`.
+pub unsafe fn memcpy_peer_async(
+    dst: *mut c_void,
+    dst_device: i32,
+    src: *const c_void,
+    src_device: i32,
+    bytes: usize,
+    s: cudaStream_t,
+) -> Result<()> {
+    // SAFETY: the caller vouches for the pointers and the stream.
+    check("cudaMemcpyPeerAsync", unsafe {
+        lib()?.cudaMemcpyPeerAsync(dst, dst_device, src, src_device, bytes, s)
     })
 }
 
@@ -443,14 +479,6 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-    }
-
-    #[test]
-    fn ptx_without_nul_is_rejected_before_any_call() {
-        assert!(matches!(
-            library_load_ptx(b".version 9.0"),
-            Err(Error::InvalidArgument(_))
-        ));
     }
 }
 pub mod nccl;

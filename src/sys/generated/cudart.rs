@@ -657,6 +657,14 @@ pub struct CudartLib {
         kind: cudaMemcpyKind,
         stream: cudaStream_t,
     ) -> cudaError_t,
+    pub cudaMemcpyPeerAsync: unsafe extern "C" fn(
+        dst: *mut ::std::os::raw::c_void,
+        dstDevice: ::std::os::raw::c_int,
+        src: *const ::std::os::raw::c_void,
+        srcDevice: ::std::os::raw::c_int,
+        count: usize,
+        stream: cudaStream_t,
+    ) -> cudaError_t,
     pub cudaMemsetAsync: unsafe extern "C" fn(
         devPtr: *mut ::std::os::raw::c_void,
         value: ::std::os::raw::c_int,
@@ -761,6 +769,9 @@ impl CudartLib {
         let cudaMallocHost = __library.get(b"cudaMallocHost\0").map(|sym| *sym)?;
         let cudaFreeHost = __library.get(b"cudaFreeHost\0").map(|sym| *sym)?;
         let cudaMemcpyAsync = __library.get(b"cudaMemcpyAsync\0").map(|sym| *sym)?;
+        let cudaMemcpyPeerAsync = __library
+            .get(b"cudaMemcpyPeerAsync\0")
+            .map(|sym| *sym)?;
         let cudaMemsetAsync = __library.get(b"cudaMemsetAsync\0").map(|sym| *sym)?;
         let cudaMallocAsync = __library.get(b"cudaMallocAsync\0").map(|sym| *sym)?;
         let cudaFreeAsync = __library.get(b"cudaFreeAsync\0").map(|sym| *sym)?;
@@ -808,6 +819,7 @@ impl CudartLib {
             cudaMallocHost,
             cudaFreeHost,
             cudaMemcpyAsync,
+            cudaMemcpyPeerAsync,
             cudaMemsetAsync,
             cudaMallocAsync,
             cudaFreeAsync,
@@ -966,6 +978,17 @@ impl CudartLib {
         stream: cudaStream_t,
     ) -> cudaError_t {
         (self.cudaMemcpyAsync)(dst, src, count, kind, stream)
+    }
+    pub unsafe fn cudaMemcpyPeerAsync(
+        &self,
+        dst: *mut ::std::os::raw::c_void,
+        dstDevice: ::std::os::raw::c_int,
+        src: *const ::std::os::raw::c_void,
+        srcDevice: ::std::os::raw::c_int,
+        count: usize,
+        stream: cudaStream_t,
+    ) -> cudaError_t {
+        (self.cudaMemcpyPeerAsync)(dst, dstDevice, src, srcDevice, count, stream)
     }
     pub unsafe fn cudaMemsetAsync(
         &self,

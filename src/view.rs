@@ -1,0 +1,541 @@
+//! Views: part of a [`DeviceBuffer`], read ([`View`]) or written ([`ViewMut`]), usable by every
+//! tracked operation (kernel launches, copies, fills, sends, receives).
+//!
+//! Tracking is per buffer, not per range: a use of a view is a use of its whole buffer. So a
+//! write to one half waits for earlier reads of the other half too. That is sound whatever the
+//! ranges, and costs nothing on the host beyond the buffer's own tracking; on the GPU it can
+//! order operations on disjoint halves that could have overlapped. (Two halves from
+//! [`ViewMut::split_at_mut`] may be written from two threads at once: the engine queues one
+//! buffer's operations one at a time, and each write waits for the other's.)
+//!
+//! Like `&[T]` and `&mut [T]`, a view borrows its buffer: a `ViewMut` excludes every other use
+//! of the buffer by safe code while it lives, except through the other half of a split.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::ops::{Bound, RangeBounds};
+
+use bytemuck::Pod;
+
+use crate::buffer::DeviceBuffer;
+use crate::device::Device;
+use crate::engine::{self, Tracked, TrackedUse};
+use crate::error::{Error, Result};
+use crate::result as cu;
+use crate::stream::Stream;
+use crate::sys::cudart::cudaMemcpyKind;
+use crate::tracking::Access;
+
+/// Part of a [`DeviceBuffer`], to be read. `Copy`, like `&[T]`.
+pub struct View<'a, T: Pod> {
+    ptr: *const T,
+    len: usize,
+    tracked: &'a Tracked,
+    _marker: PhantomData<&'a [T]>,
+}
+
+/// Part of a [`DeviceBuffer`], to be written (and read), like `&mut [T]`.
+pub struct ViewMut<'a, T: Pod> {
+    ptr: *mut T,
+    len: usize,
+    tracked: &'a Tracked,
+    _marker: PhantomData<&'a mut [T]>,
+}
+
+impl<T: Pod> Clone for View<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: Pod> Copy for View<'_, T> {}
+
+// SAFETY: a `View` only lets tracked reads of device memory happen, like `&[T]`; its tracker is
+// behind a mutex.
+unsafe impl<T: Pod + Sync> Send for View<'_, T> {}
+// SAFETY: as above.
+unsafe impl<T: Pod + Sync> Sync for View<'_, T> {}
+// SAFETY: a `ViewMut` is an exclusive borrow of its range, like `&mut [T]`; uses are tracked
+// behind the buffer's mutex.
+unsafe impl<T: Pod + Send> Send for ViewMut<'_, T> {}
+// SAFETY: `&ViewMut` only allows reads.
+unsafe impl<T: Pod + Sync> Sync for ViewMut<'_, T> {}
+
+impl<T: Pod> std::fmt::Debug for View<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("View")
+            .field("len", &self.len)
+            .field("device", &self.tracked.device.ordinal())
+            .finish()
+    }
+}
+
+impl<T: Pod> std::fmt::Debug for ViewMut<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ViewMut")
+            .field("len", &self.len)
+            .field("device", &self.tracked.device.ordinal())
+            .finish()
+    }
+}
+
+/// `range` as start..end within `len`, or an error naming both.
+pub(crate) fn bounds(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => Some(s),
+        Bound::Excluded(&s) => s.checked_add(1),
+        Bound::Unbounded => Some(0),
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.checked_add(1),
+        Bound::Excluded(&e) => Some(e),
+        Bound::Unbounded => Some(len),
+    };
+    match (start, end) {
+        (Some(s), Some(e)) if s <= e && e <= len => Ok((s, e)),
+        _ => Err(Error::InvalidArgument(format!(
+            "range {:?}..{:?} is outside a view of {len} elements",
+            range.start_bound(),
+            range.end_bound()
+        ))),
+    }
+}
+
+impl<'a, T: Pod> View<'a, T> {
+    /// # Safety
+    /// `ptr` is `len` elements of the memory `tracked` tracks, readable for `'a`.
+    pub(crate) unsafe fn from_raw(ptr: *const T, len: usize, tracked: &'a Tracked) -> Self {
+        View {
+            ptr,
+            len,
+            tracked,
+            _marker: PhantomData,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a view of no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// The device the memory lives on.
+    pub fn device(&self) -> &'a Device {
+        &self.tracked.device
+    }
+
+    /// The raw device pointer, for calling CUDA or NCCL directly; see [`Stream::raw_use`] for
+    /// doing so with tracking.
+    pub fn as_raw_ptr(&self) -> *const T {
+        self.ptr
+    }
+
+    pub(crate) fn tracked(&self) -> &'a Tracked {
+        self.tracked
+    }
+
+    /// The elements `range` of this view.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a range outside the view.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<View<'a, T>> {
+        let (s, e) = bounds(range, self.len)?;
+        // SAFETY: s..e lies within this view's elements.
+        Ok(unsafe { View::from_raw(self.ptr.add(s), e - s, self.tracked) })
+    }
+
+    /// Copies the view to a new host vector, on `stream`, after the last write to its buffer.
+    /// Blocks until the copy has completed; never forever behind an NCCL receive (see
+    /// [`Stream::synchronize`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `stream` is on another device; CUDA errors, including a
+    /// fault in a kernel that wrote the buffer; [`Error::CommunicatorUnusable`] when the last
+    /// write was an NCCL receive cut short by its communicator's abort.
+    pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
+        let mut out: Vec<T> = Vec::with_capacity(self.len);
+        let bytes = self.byte_len();
+        let src = self.ptr.cast::<c_void>();
+        let dst = out.as_mut_ptr().cast::<c_void>();
+        let written_by = self.tracked.lock().last_write().cloned();
+        stream.enqueue(&[(self.tracked, Access::Read)], |s| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            // SAFETY: `dst` has capacity for `bytes` bytes and stays allocated until the copy
+            // completes (below; on failure it is leaked); the stream waits for the last write.
+            unsafe { cu::memcpy_async(dst, src, bytes, cudaMemcpyKind::cudaMemcpyDeviceToHost, s) }
+        })?;
+        if let Err(e) = stream.synchronize_raw() {
+            // The copy may still write into `out` later: never free that memory.
+            std::mem::forget(out);
+            return Err(e);
+        }
+        // The copy has completed; its source may have been a receive that an abort cut short.
+        crate::stream::check_poison(written_by.as_deref())?;
+        // SAFETY: the copy above wrote all `len` elements, and any bit pattern is a valid `T`.
+        unsafe { out.set_len(self.len) };
+        Ok(out)
+    }
+}
+
+impl<'a, T: Pod> ViewMut<'a, T> {
+    /// # Safety
+    /// `ptr` is `len` elements of the memory `tracked` tracks, writable for `'a` by this view
+    /// alone among safe code.
+    pub(crate) unsafe fn from_raw(ptr: *mut T, len: usize, tracked: &'a Tracked) -> Self {
+        ViewMut {
+            ptr,
+            len,
+            tracked,
+            _marker: PhantomData,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a view of no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// The device the memory lives on.
+    pub fn device(&self) -> &'a Device {
+        &self.tracked.device
+    }
+
+    /// The raw device pointer, writable; see [`View::as_raw_ptr`].
+    pub fn as_raw_mut_ptr(&mut self) -> *mut T {
+        self.ptr
+    }
+
+    pub(crate) fn tracked(&self) -> &'a Tracked {
+        self.tracked
+    }
+
+    /// This view, to be read.
+    pub fn as_view(&self) -> View<'_, T> {
+        // SAFETY: the same elements, borrowed shared for as long as `self` is.
+        unsafe { View::from_raw(self.ptr, self.len, self.tracked) }
+    }
+
+    /// A shorter-lived writable view of the same elements.
+    pub fn reborrow(&mut self) -> ViewMut<'_, T> {
+        // SAFETY: the same elements, borrowed exclusively for as long as `self` is.
+        unsafe { ViewMut::from_raw(self.ptr, self.len, self.tracked) }
+    }
+
+    /// The elements `range`, to be read.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a range outside the view.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<View<'_, T>> {
+        self.as_view().slice(range)
+    }
+
+    /// The elements `range`, to be written.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a range outside the view.
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<ViewMut<'_, T>> {
+        self.reborrow().into_slice_mut(range)
+    }
+
+    /// The elements `range`, to be written, for as long as this view would have lived.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a range outside the view.
+    pub fn into_slice_mut(self, range: impl RangeBounds<usize>) -> Result<ViewMut<'a, T>> {
+        let (s, e) = bounds(range, self.len)?;
+        // SAFETY: s..e lies within this view's elements, which `self`, consumed, gives up.
+        Ok(unsafe { ViewMut::from_raw(self.ptr.add(s), e - s, self.tracked) })
+    }
+
+    /// Two writable views, of the elements before `mid` and from `mid` on.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `mid` is beyond the view.
+    pub fn split_at_mut(&mut self, mid: usize) -> Result<(ViewMut<'_, T>, ViewMut<'_, T>)> {
+        if mid > self.len {
+            return Err(Error::InvalidArgument(format!(
+                "split at {mid} is beyond a view of {} elements",
+                self.len
+            )));
+        }
+        // SAFETY: 0..mid and mid..len are disjoint and within this view, borrowed exclusively.
+        Ok(unsafe {
+            (
+                ViewMut::from_raw(self.ptr, mid, self.tracked),
+                ViewMut::from_raw(self.ptr.add(mid), self.len - mid, self.tracked),
+            )
+        })
+    }
+
+    /// Copies the view to a new host vector; see [`View::to_vec`].
+    ///
+    /// # Errors
+    /// As [`View::to_vec`].
+    pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
+        self.as_view().to_vec(stream)
+    }
+
+    /// Sets every byte to zero, on `stream`, after every earlier use of the buffer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `stream` is on another device; CUDA errors.
+    pub fn memset_zero(&mut self, stream: &Stream) -> Result<()> {
+        let (ptr, bytes) = (self.ptr.cast::<c_void>(), self.byte_len());
+        stream.enqueue(&[(self.tracked, Access::Write)], |s| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            // SAFETY: `ptr` is `bytes` bytes of this view; the stream now waits for every
+            // earlier use of the buffer.
+            unsafe { cu::memset_async(ptr, 0, bytes, s) }
+        })
+    }
+
+    /// Copies `data` into the view, on `stream`, after every earlier use; blocks until the copy
+    /// has completed, so `data` may be reused as soon as this returns.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the lengths differ or `stream` is on another device; CUDA
+    /// errors.
+    pub fn copy_from_slice(&mut self, stream: &Stream, data: &[T]) -> Result<()> {
+        check_len(self.len, data.len(), "the host slice")?;
+        let (dst, bytes) = (self.ptr.cast::<c_void>(), self.byte_len());
+        stream.enqueue(&[(self.tracked, Access::Write)], |s| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            // SAFETY: `dst` holds `bytes` bytes; `data` is borrowed for the whole call and the
+            // host waits below for the copy to finish, so the source outlives the copy.
+            unsafe {
+                cu::memcpy_async(
+                    dst,
+                    data.as_ptr().cast(),
+                    bytes,
+                    cudaMemcpyKind::cudaMemcpyHostToDevice,
+                    s,
+                )
+            }
+        })?;
+        // The copy reads `data`, which the caller may reuse once this returns.
+        stream.synchronize_raw()
+    }
+
+    /// Copies `src` into this view on `stream` (of this view's device), after the last write to
+    /// `src` and every earlier use of this view's buffer; returns at once. `src` may live on
+    /// another device: then it is a peer copy (`cudaMemcpyPeerAsync`, over NVLink where there
+    /// is one).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the lengths differ or `stream` is not on this view's
+    /// device; CUDA errors.
+    pub fn copy_from<'s>(&mut self, src: impl Into<View<'s, T>>, stream: &Stream) -> Result<()> {
+        let src = src.into();
+        check_len(self.len, src.len, "the source")?;
+        stream.check_tracked(self.tracked, Access::Write)?;
+        let uses = [
+            // The source is read on this stream even from another device: a stream may wait for
+            // another device's events, and record events that its streams then wait for.
+            TrackedUse::on(stream, src.tracked, Access::Read),
+            TrackedUse::on(stream, self.tracked, Access::Write),
+        ];
+        let (dst_dev, src_dev) = (self.device().ordinal() as i32, src.device().ordinal() as i32);
+        let (dst, from, bytes) = (
+            self.ptr.cast::<c_void>(),
+            src.ptr.cast::<c_void>(),
+            self.byte_len(),
+        );
+        engine::enqueue(
+            &uses,
+            false,
+            |_| {
+                if bytes == 0 {
+                    return Ok(());
+                }
+                // SAFETY: both hold `bytes` bytes on their devices; the stream waits for the
+                // source's last write and every use of the destination's buffer, and the
+                // events recorded after the copy keep both buffers from being reused early.
+                unsafe {
+                    if dst_dev == src_dev {
+                        cu::memcpy_async(
+                            dst,
+                            from,
+                            bytes,
+                            cudaMemcpyKind::cudaMemcpyDeviceToDevice,
+                            stream.as_raw(),
+                        )
+                    } else {
+                        cu::memcpy_peer_async(dst, dst_dev, from, src_dev, bytes, stream.as_raw())
+                    }
+                }
+            },
+            |_, _, _| {},
+        )
+    }
+
+    /// Sets every element to `value`, on `stream`, after every earlier use of the buffer;
+    /// returns at once. Elements of up to 16 bytes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an element over 16 bytes, or `stream` on another device;
+    /// CUDA errors.
+    pub fn fill(&mut self, value: T, stream: &Stream) -> Result<()> {
+        crate::kernels::fill(stream, self.reborrow(), value)
+    }
+}
+
+pub(crate) fn check_len(len: usize, other: usize, what: &str) -> Result<()> {
+    if other == len {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what} has {other} elements but the destination has {len}"
+        )))
+    }
+}
+
+impl<'a, T: Pod> From<&'a DeviceBuffer<T>> for View<'a, T> {
+    fn from(b: &'a DeviceBuffer<T>) -> Self {
+        b.view()
+    }
+}
+
+impl<'a, T: Pod> From<&'a mut DeviceBuffer<T>> for ViewMut<'a, T> {
+    fn from(b: &'a mut DeviceBuffer<T>) -> Self {
+        b.view_mut()
+    }
+}
+
+impl<'a, T: Pod> From<&'a View<'_, T>> for View<'a, T> {
+    fn from(v: &'a View<'_, T>) -> Self {
+        *v
+    }
+}
+
+impl<'a, T: Pod> From<&'a ViewMut<'_, T>> for View<'a, T> {
+    fn from(v: &'a ViewMut<'_, T>) -> Self {
+        v.as_view()
+    }
+}
+
+impl<'a, T: Pod> From<&'a mut ViewMut<'_, T>> for ViewMut<'a, T> {
+    fn from(v: &'a mut ViewMut<'_, T>) -> Self {
+        v.reborrow()
+    }
+}
+
+impl<T: Pod> DeviceBuffer<T> {
+    /// The whole buffer, to be read.
+    pub fn view(&self) -> View<'_, T> {
+        // SAFETY: the buffer's own elements, borrowed shared.
+        unsafe { View::from_raw(self.as_raw_ptr(), self.len(), self.tracked()) }
+    }
+
+    /// The whole buffer, to be written.
+    pub fn view_mut(&mut self) -> ViewMut<'_, T> {
+        let (ptr, len) = (self.as_raw_mut_ptr(), self.len());
+        // SAFETY: the buffer's own elements, borrowed exclusively.
+        unsafe { ViewMut::from_raw(ptr, len, self.tracked()) }
+    }
+
+    /// The elements `range`, to be read.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a range outside the buffer.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<View<'_, T>> {
+        self.view().slice(range)
+    }
+
+    /// The elements `range`, to be written.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a range outside the buffer.
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<ViewMut<'_, T>> {
+        self.view_mut().into_slice_mut(range)
+    }
+
+    /// Two writable views, of the elements before `mid` and from `mid` on.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `mid` is beyond the buffer.
+    pub fn split_at_mut(&mut self, mid: usize) -> Result<(ViewMut<'_, T>, ViewMut<'_, T>)> {
+        let len = self.len();
+        if mid > len {
+            return Err(Error::InvalidArgument(format!(
+                "split at {mid} is beyond a buffer of {len} elements"
+            )));
+        }
+        let (ptr, tracked) = (self.as_raw_mut_ptr(), self.tracked());
+        // SAFETY: 0..mid and mid..len are disjoint and within the buffer, borrowed exclusively.
+        Ok(unsafe {
+            (
+                ViewMut::from_raw(ptr, mid, tracked),
+                ViewMut::from_raw(ptr.add(mid), len - mid, tracked),
+            )
+        })
+    }
+
+    /// Copies `src` (of the same length, on this or another device) into the buffer; see
+    /// [`ViewMut::copy_from`].
+    ///
+    /// # Errors
+    /// As [`ViewMut::copy_from`].
+    pub fn copy_from<'s>(&mut self, src: impl Into<View<'s, T>>, stream: &Stream) -> Result<()> {
+        self.view_mut().copy_from(src, stream)
+    }
+
+    /// Sets every element to `value`; see [`ViewMut::fill`].
+    ///
+    /// # Errors
+    /// As [`ViewMut::fill`].
+    pub fn fill(&mut self, value: T, stream: &Stream) -> Result<()> {
+        self.view_mut().fill(value, stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounds_accept_every_range_form_inside_and_refuse_outside() {
+        assert_eq!(bounds(.., 8).unwrap(), (0, 8));
+        assert_eq!(bounds(2..5, 8).unwrap(), (2, 5));
+        assert_eq!(bounds(2..=5, 8).unwrap(), (2, 6));
+        assert_eq!(bounds(..3, 8).unwrap(), (0, 3));
+        assert_eq!(bounds(6.., 8).unwrap(), (6, 8));
+        assert_eq!(bounds(8..8, 8).unwrap(), (8, 8));
+        for bad in [
+            bounds(4..9, 8),
+            bounds(9.., 8),
+            bounds(0..=8, 8),
+            bounds(0..=usize::MAX, 8),
+        ] {
+            assert!(matches!(bad, Err(Error::InvalidArgument(_))), "{bad:?}");
+        }
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = bounds(5..3, 8);
+        assert!(reversed.is_err());
+        let e = bounds(4..9, 8).unwrap_err().to_string();
+        assert!(e.contains("8 elements"), "{e}");
+    }
+}
