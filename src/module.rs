@@ -69,6 +69,25 @@ unsafe impl Send for ModuleInner {}
 // SAFETY: as above.
 unsafe impl Sync for ModuleInner {}
 
+impl ModuleInner {
+    /// The driver compiles PTX lazily, for each device at its first use there: a bad image can
+    /// show up only then. Its errors become [`Error::Module`].
+    fn image_error(&self, e: Error) -> Error {
+        match e {
+            // Invalid image / PTX, unsupported PTX version, no image for the device, JIT
+            // compiler missing or disabled.
+            Error::Cuda {
+                code: 200 | 209 | 218 | 221 | 222 | 223,
+                ..
+            } => Error::Module {
+                module: self.origin.clone(),
+                source: Box::new(e),
+            },
+            other => other,
+        }
+    }
+}
+
 impl std::fmt::Debug for Module {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Module")
@@ -84,6 +103,10 @@ pub(crate) fn is_binary(image: &[u8]) -> bool {
 
 impl Module {
     /// A module from PTX text.
+    ///
+    /// The driver compiles PTX for a device at its first use there, so a bad module may load
+    /// and be reported only by [`Module::function`] or the first launch on each device, as
+    /// [`Error::Module`] too.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for empty text or text with a NUL byte; [`Error::Module`]
@@ -159,7 +182,7 @@ impl Module {
                 module: self.inner.origin.clone(),
                 name: name.to_string(),
             },
-            other => other,
+            other => self.inner.image_error(other),
         })?;
         Ok(Function {
             kernel,
@@ -208,7 +231,7 @@ impl Function {
         }
         stream.device().set_current()?;
         // SAFETY: the handle is live (its library is never unloaded).
-        let a = unsafe { cu::kernel_attributes(self.kernel) }?;
+        let a = unsafe { cu::kernel_attributes(self.kernel) }.map_err(|e| self._module.image_error(e))?;
         let limits = (
             u32::try_from(a.maxThreadsPerBlock).unwrap_or(0),
             u32::try_from(a.maxDynamicSharedSizeBytes).unwrap_or(0),
@@ -381,6 +404,7 @@ impl<'a> LaunchBuilder<'a> {
     ///
     /// # Errors
     /// [`Error::LaunchConfig`] for a configuration beyond CUDA's or the kernel's limits;
+    /// [`Error::Module`] when the kernel's PTX does not compile for the stream's device;
     /// [`Error::InvalidArgument`] for a buffer on another device than the stream, or an
     /// argument aligned to more than 8 bytes; CUDA errors (the launch itself, loading the
     /// kernel on the device).

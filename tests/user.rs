@@ -197,7 +197,20 @@ fn raw_use_after_read() -> Result<(), Failed> {
 
 fn typed_errors() -> Result<(), Failed> {
     let (_dev, s, _) = setup()?;
-    match Module::from_ptx(".version 9.0\n.target sm_75\n.address_size 64\n.visible .entry broken( {") {
+    // The driver compiles PTX lazily: a bad module is reported when it loads, when its kernel
+    // is looked up, or at its first launch on a device, as Error::Module at whichever comes.
+    let bad = (|| {
+        let m = Module::from_ptx(".version 9.0\n.target sm_75\n.address_size 64\n.visible .entry broken( {")?;
+        let f = m.function("broken")?;
+        let mut x = DeviceBuffer::<f32>::zeros(&s, 16)?;
+        // SAFETY: refused before any kernel runs (the PTX does not compile).
+        unsafe {
+            s.launch_builder(&f)
+                .arg(&mut x)
+                .launch(LaunchConfig::for_elements(16))
+        }
+    })();
+    match bad {
         Err(Error::Module { module, source }) => println!("bad PTX: {module}: {source}"),
         other => return Err(format!("bad PTX gave {other:?}").into()),
     }
