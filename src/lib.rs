@@ -50,8 +50,10 @@
 //!   whose misuse could break a guarantee below are `unsafe`.
 //! - The engine (private): the one path by which tracked work is queued, over the use-tracking
 //!   rules (a plain data structure).
-//! - The CUDA side, [`Device`], [`Stream`], [`Event`], [`DeviceBuffer`], [`kernels`]; the NCCL side,
-//!   [`nccl`]: [`Communicator`], [`group`], verification, the watchdog; [`bootstrap`].
+//! - The CUDA side: [`Device`], [`Stream`], [`Event`], [`DeviceBuffer`] and its [`view`]s,
+//!   [`module`] (users' own kernels, launched with tracking; [`Stream::raw_use`] for raw work),
+//!   [`kernels`]; the NCCL side, [`nccl`]: [`Communicator`], [`group`], verification, the
+//!   watchdog; [`bootstrap`].
 //!
 //! # Threads
 //! [`Stream`], [`Event`], [`Device`] and [`DeviceBuffer`] are `Send` and `Sync`: the CUDA
