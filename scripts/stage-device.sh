@@ -30,7 +30,10 @@ stage_tests() { # $1: destination folder; the remaining arguments go to cargo
     done
 }
 
-stage_tests "$stage/tests"
+# The cudarc feature too (its test, and the interop in every binary); cudarc's CUDA version is
+# chosen by whoever builds it.
+export CUDARC_CUDA_VERSION=13000
+stage_tests "$stage/tests" --features cudarc
 cargo build --profile device --examples
 find target/device/examples -maxdepth 1 -type f -executable ! -name '*-*' -exec cp {} "$stage/examples/" \;
 
@@ -39,7 +42,7 @@ cargo bench --no-run 2>&1 | tee /dev/stderr | executables | while IFS='|' read -
   case "$src" in benches/*) cp "$exe" "$stage/benches/$(basename "${src%.rs}")" ;; esac
 done
 
-RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu --test comm --test reliability --test threads --test user
+RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu --test comm --test reliability --test threads --test user --test cudarc --features cudarc
 
 du -sh "$stage"
 ls -l "$stage"/*

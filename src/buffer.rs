@@ -185,6 +185,48 @@ impl<T: Pod> DeviceBuffer<T> {
         &self.tracked
     }
 
+    /// A buffer over memory that came from elsewhere (cudarc), tracked from now on, freed by
+    /// handoff (`cudaFreeAsync`) after its last use.
+    ///
+    /// # Safety
+    /// `ptr` is a stream-ordered allocation (`cudaMallocAsync`/`cuMemAllocAsync` from the device
+    /// pool) of at least `len` elements on `device`, owned by nobody else from now on; the
+    /// caller then makes every earlier use of it a tracked use (a write) before anything else.
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) unsafe fn from_raw_parts(ptr: *mut T, len: usize, device: &Device) -> Self {
+        DeviceBuffer {
+            ptr,
+            len,
+            tracked: Tracked::new(device),
+            device: device.clone(),
+            _marker: PhantomData,
+        }
+    }
+
+    /// Gives the memory up without freeing it, after `wait` has been called with every pending
+    /// use's event (to order the new owner after them); on an error from `wait`, the buffer is
+    /// dropped the handoff way (freed after its uses).
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) fn into_raw_parts(
+        mut self,
+        mut wait: impl FnMut(&crate::device::PooledEvent) -> Result<()>,
+    ) -> Result<(*mut T, usize)> {
+        let waited = {
+            let tracker = self.tracked.lock();
+            // Bypassed tracking (a test build) leaves out the waits, as everywhere else.
+            tracker
+                .uses()
+                .filter(|_| !crate::tracking::BYPASSED)
+                .try_for_each(|u| wait(&u.event))
+        };
+        waited?;
+        self.tracked.lock().take_all();
+        let parts = (self.ptr, self.len);
+        // Given up: `Drop` frees nothing (length 0), but still drops the tracker and device.
+        self.len = 0;
+        Ok(parts)
+    }
+
     /// Frees the memory in stream order after every pending use, reporting errors that `Drop`
     /// has to swallow.
     ///

@@ -192,6 +192,18 @@ pub enum Error {
         detail: String,
     },
 
+    /// A cudarc call failed (feature `cudarc`).
+    #[cfg(feature = "cudarc")]
+    #[error("{call} failed in cudarc ({code}): {message}")]
+    Cudarc {
+        /// What was called.
+        call: &'static str,
+        /// The raw `CUresult`.
+        code: i32,
+        /// cudarc's message.
+        message: String,
+    },
+
     /// Exchanging the unique id between processes failed.
     #[error("bootstrap at {addr} failed: {detail}")]
     Bootstrap {

@@ -138,6 +138,8 @@ pub mod buffer;
 pub mod device;
 mod engine;
 pub mod error;
+#[cfg(feature = "cudarc")]
+pub mod interop;
 pub mod kernels;
 pub mod module;
 pub mod nccl;

@@ -29,6 +29,9 @@ pub struct Stream {
     order: RecordOrder,
     /// The newest tracking event recorded here, and the newest after an NCCL operation.
     last: Mutex<Last>,
+    /// For a stream that belongs to someone else (cudarc's): what keeps its handle alive. Such
+    /// a handle is never parked for reuse.
+    owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 #[derive(Default)]
@@ -55,7 +58,9 @@ impl Drop for Stream {
     fn drop(&mut self) {
         // Trackers refer to this stream's work by event and by a StreamId that is never
         // reused, never by handle, so handing the handle to a later Stream is safe.
-        self.device.park_stream(self.raw);
+        if self.owner.is_none() {
+            self.device.park_stream(self.raw);
+        }
     }
 }
 
@@ -72,6 +77,7 @@ impl Stream {
             device: device.clone(),
             order: RecordOrder::default(),
             last: Mutex::default(),
+            owner: None,
         })
     }
 
@@ -84,6 +90,27 @@ impl Stream {
             device: device.clone(),
             order: RecordOrder::default(),
             last: Mutex::default(),
+            owner: None,
+        }
+    }
+
+    /// A stream over someone else's handle, kept alive by `owner`, never parked.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of `device`'s primary context for as long as `owner` lives.
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) unsafe fn from_owned_handle(
+        raw: cudaStream_t,
+        device: &Device,
+        owner: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Stream {
+        Stream {
+            raw,
+            id: StreamId::fresh(),
+            device: device.clone(),
+            order: RecordOrder::default(),
+            last: Mutex::default(),
+            owner: Some(owner),
         }
     }
 
