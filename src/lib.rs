@@ -138,6 +138,7 @@ pub mod buffer;
 pub mod device;
 mod engine;
 pub mod error;
+pub mod host;
 #[cfg(feature = "cudarc")]
 pub mod interop;
 pub mod kernels;
@@ -153,6 +154,7 @@ pub use bootstrap::Launch;
 pub use buffer::DeviceBuffer;
 pub use device::Device;
 pub use error::{Error, Result};
+pub use host::HostBuffer;
 pub use module::{ByValue, Function, KernelArg, LaunchBuilder, LaunchConfig, Module};
 pub use nccl::{CommOptions, Communicator, Group, NcclType, UniqueId, group};
 pub use stream::{Event, RawUse, Stream};

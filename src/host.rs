@@ -1,0 +1,566 @@
+//! [`HostBuffer`]: page-locked ("pinned") host memory with asynchronous, tracked copies to and from
+//! device buffers.
+//!
+//! A copy between the GPU and pageable memory ([`View::to_vec`], [`ViewMut::copy_from_slice`])
+//! must block the host until it is done, since the memory may be paged out or freed as soon as
+//! the call returns. Pinned memory stays put, so a copy to or from it can be queued on a stream
+//! and return at once: [`View::copy_to_host`] and [`ViewMut::copy_from_host`]. The GPU's DMA
+//! engines also reach it directly, which is what makes such copies fast.
+//!
+//! # The rules
+//! A host buffer is tracked exactly like a [`DeviceBuffer`], by the same engine: a copy into it
+//! is a *write* of it, a copy out of it a *read* of it, and each copy first makes its stream wait,
+//! on the GPU, for the earlier copies it conflicts with. The host is the other party, and the
+//! host's access goes through the buffer too, waiting where it must:
+//!
+//! | host access | may conflict with | how it is excluded |
+//! |---|---|---|
+//! | [`HostBuffer::read`] (`&self`) | a copy into the buffer queued earlier | `read` waits for the buffer's last write (`cudaEventSynchronize`) |
+//! | the [`HostRef`] it returns | a copy into the buffer queued meanwhile | impossible: a copy into it takes `&mut HostBuffer` |
+//! | [`HostBuffer::write`] (`&mut self`) | any copy into or out of it queued earlier | `write` waits for every pending use |
+//! | the [`HostMut`] it returns | any copy queued meanwhile | impossible: every copy borrows the buffer |
+//! | drop, [`HostBuffer::free`] | any copy queued earlier | waits for every pending use, then frees |
+//!
+//! Copies out of the buffer (`&HostBuffer`) may run while the host reads it: both only read.
+//! A copy into or out of it borrows the buffer only for the call; tracking, not the borrow,
+//! keeps the memory from being written or freed until the GPU is done with it.
+//!
+//! A buffer is bound to one [`Device`]: its copies go on that device's streams (a stream of
+//! another device is [`Error::InvalidArgument`]).
+//!
+//! # Cost
+//! Pinned memory cannot be paged out: it is taken from the memory the operating system can use
+//! for everything else, and allocating it (`cudaMallocHost`) is slow (it maps and locks every
+//! page). Allocate host buffers once and reuse them; keep large ones few. Dropping one blocks
+//! until the copies that use it are done (`cudaFreeHost` cannot be ordered on a stream).
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, OnceLock};
+
+use bytemuck::Pod;
+
+use crate::buffer::{DeviceBuffer, byte_len};
+use crate::device::{Device, PooledEvent};
+use crate::engine::{self, Tracked, TrackedUse};
+use crate::error::{Error, Result};
+use crate::result as cu;
+use crate::stream::{Stream, check_poison};
+use crate::sys::cudart::cudaMemcpyKind;
+use crate::tracking::{Access, StreamId};
+use crate::view::{View, ViewMut, check_len};
+
+/// `len` elements of `T` in page-locked host memory, bound to one device; see the
+/// [module docs](self) for the rules.
+///
+/// ```no_run
+/// # fn main() -> handoff::Result<()> {
+/// use handoff::{Device, DeviceBuffer, HostBuffer, Stream, kernels};
+/// let dev = Device::new(0)?;
+/// let stream = Stream::new(&dev)?;
+/// let mut y = DeviceBuffer::<f32>::zeros(&stream, 4)?;
+/// kernels::produce(&stream, &mut y, 0)?;
+/// let mut host = HostBuffer::<f32>::zeros(&dev, 4)?;
+/// y.copy_to_host(&mut host, &stream)?; // returns at once
+/// // ... other host work ...
+/// assert_eq!(&*host.read()?, [1.0, 2.0, 3.0, 4.0]); // waits for the copy
+/// # Ok(())
+/// # }
+/// ```
+pub struct HostBuffer<T: Pod> {
+    ptr: *mut T,
+    len: usize,
+    tracked: Tracked,
+    /// The last write of the device memory that the latest copy into this buffer read: a
+    /// receive there that an NCCL abort cut short makes the data read here partial, which
+    /// [`HostBuffer::read`] reports (as [`View::to_vec`] does). Set only under `&mut self`.
+    filled_from: Option<Arc<PooledEvent>>,
+    _marker: PhantomData<T>,
+}
+
+// SAFETY: the buffer owns its host memory, which any thread may use; its tracker is behind a
+// mutex, and CUDA calls on the memory may come from any thread. As `Vec<T>`: Send if `T` is.
+unsafe impl<T: Pod + Send> Send for HostBuffer<T> {}
+// SAFETY: `&HostBuffer` allows only reads of the memory (host reads after waiting for the last
+// write, and tracked copies out of it), whose bookkeeping is behind the mutex.
+unsafe impl<T: Pod + Sync> Sync for HostBuffer<T> {}
+
+impl<T: Pod> std::fmt::Debug for HostBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("type", &std::any::type_name::<T>())
+            .field("len", &self.len)
+            .field("device", &self.tracked.device.ordinal())
+            .finish()
+    }
+}
+
+/// The host, as a party of the tracking rules: no stream, so none of a buffer's uses is ordered
+/// before a host access by stream order, and every conflicting one is waited for. An id that no
+/// stream has.
+fn host() -> StreamId {
+    static HOST: OnceLock<StreamId> = OnceLock::new();
+    *HOST.get_or_init(StreamId::fresh)
+}
+
+/// Blocks the host until every event in `events` has completed.
+fn wait_all(events: &[Arc<PooledEvent>]) -> Result<()> {
+    for e in events {
+        // SAFETY: the event is kept alive by the Arc.
+        unsafe { cu::event_synchronize(e.raw) }?;
+    }
+    Ok(())
+}
+
+impl<T: Pod> HostBuffer<T> {
+    /// Allocates `len` elements of pinned memory without initialising them.
+    fn alloc(device: &Device, len: usize) -> Result<Self> {
+        let bytes = byte_len::<T>(len)?;
+        // Length 0 until the memory exists, so that an early return frees nothing.
+        let mut buf = HostBuffer {
+            ptr: std::ptr::NonNull::<T>::dangling().as_ptr(),
+            len: 0,
+            tracked: Tracked::new(device),
+            filled_from: None,
+            _marker: PhantomData,
+        };
+        if bytes > 0 {
+            // The allocation belongs to the context of the current device (and, with unified
+            // addressing, every device can use it).
+            device.set_current()?;
+            let ptr = cu::malloc_host(bytes)?.cast::<T>();
+            if !ptr.is_aligned() {
+                // SAFETY: fresh from malloc_host; nothing uses it.
+                let _ = unsafe { cu::free_host(ptr.cast()) };
+                return Err(Error::InvalidArgument(format!(
+                    "cudaMallocHost returned memory not aligned for {} ({} bytes)",
+                    std::any::type_name::<T>(),
+                    std::mem::align_of::<T>()
+                )));
+            }
+            buf.ptr = ptr;
+        }
+        buf.len = len;
+        Ok(buf)
+    }
+
+    /// `len` zeroed elements of pinned host memory, for copies on `device`'s streams. A length
+    /// of zero allocates nothing.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the size overflows; CUDA errors (out of pinned memory).
+    pub fn zeros(device: &Device, len: usize) -> Result<Self> {
+        let buf = Self::alloc(device, len)?;
+        // SAFETY: `ptr` holds `len` elements, owned by `buf` and used by nothing else yet; all
+        // zero bytes are a valid `T` (`T: Pod`).
+        unsafe { std::ptr::write_bytes(buf.ptr, 0, buf.len) };
+        Ok(buf)
+    }
+
+    /// Pinned host memory holding a copy of `data`, for copies on `device`'s streams.
+    ///
+    /// # Errors
+    /// As [`HostBuffer::zeros`].
+    pub fn from_slice(device: &Device, data: &[T]) -> Result<Self> {
+        let buf = Self::alloc(device, data.len())?;
+        // SAFETY: `ptr` holds `data.len()` elements, owned by `buf` and used by nothing else
+        // yet; `data` is other memory.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.ptr, data.len()) };
+        Ok(buf)
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a buffer of no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// The device on whose streams the buffer is copied.
+    pub fn device(&self) -> &Device {
+        &self.tracked.device
+    }
+
+    /// The raw host pointer, for calling CUDA directly. Neither access through it nor work
+    /// queued with it is tracked: the caller takes on the waits that [`HostBuffer::read`] and
+    /// [`HostBuffer::write`] otherwise make.
+    pub fn as_raw_ptr(&self) -> *const T {
+        self.ptr
+    }
+
+    /// The raw host pointer, writable. As [`HostBuffer::as_raw_ptr`].
+    pub fn as_raw_mut_ptr(&mut self) -> *mut T {
+        self.ptr
+    }
+
+    /// The contents, to be read on the host, once every copy into the buffer queued so far has
+    /// completed (the host blocks until then). Copies out of the buffer may still be running,
+    /// and others may be queued while the guard lives: they only read.
+    ///
+    /// # Errors
+    /// CUDA errors, including a fault in a copy into the buffer; [`Error::CommunicatorUnusable`]
+    /// when the device memory last copied in was last written by an NCCL receive that its
+    /// communicator's abort cut short (the data is partial): reported at every read until
+    /// another copy replaces the contents.
+    pub fn read(&self) -> Result<HostRef<'_, T>> {
+        // A host read conflicts only with writes, i.e. copies into the buffer. Such a copy needs
+        // `&mut self`, so none is being queued now nor can be while the guard borrows `self`:
+        // waiting for the last write queued so far is enough. Earlier writes are covered by it
+        // (each recorded write waited on the GPU for every earlier use). Asked of the tracker, so
+        // that a build with tracking bypassed shows the hazard.
+        let (waits, last) = {
+            let t = self.tracked.lock();
+            let waits: Vec<_> = t.waits(host(), Access::Read).cloned().collect();
+            (waits, t.last_write().cloned())
+        };
+        wait_all(&waits)?;
+        check_poison(last.as_deref())?;
+        check_poison(self.filled_from.as_deref())?;
+        // SAFETY: `len` elements of `T` owned by `self`, valid for any bit pattern; no write is
+        // pending (waited above) and none can be queued or made through safe code while the
+        // guard borrows `self` shared.
+        let slice = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
+        Ok(HostRef { slice })
+    }
+
+    /// The contents, to be written (and read) on the host, once every copy into or out of the
+    /// buffer queued so far has completed (the host blocks until then).
+    ///
+    /// # Errors
+    /// As [`HostBuffer::read`]; after a cut-short copy in, the error stays until another copy
+    /// replaces the contents (or the buffer is dropped).
+    pub fn write(&mut self) -> Result<HostMut<'_, T>> {
+        // A host write conflicts with every use: a copy in (writing) or out (reading). All need
+        // a borrow of `self`, so none is being queued now, nor can be while the guard borrows
+        // `self` exclusively: waiting for the uses pending now is enough.
+        let (waits, last) = {
+            let t = self.tracked.lock();
+            let waits: Vec<_> = t.waits(host(), Access::Write).cloned().collect();
+            (waits, t.last_write().cloned())
+        };
+        wait_all(&waits)?;
+        check_poison(last.as_deref())?;
+        check_poison(self.filled_from.as_deref())?;
+        // Every use waited for has completed and no other can have been recorded since (`&mut
+        // self`): forget them, so that their events go back to the pool. The host now writes the
+        // contents: what the last copy in read no longer matters.
+        drop(self.tracked.lock().take_all());
+        self.filled_from = None;
+        // SAFETY: `len` elements of `T` owned by `self`, valid for any bit pattern; no copy
+        // uses them (waited above) and none can be queued while the guard borrows `self`
+        // exclusively.
+        let slice = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
+        Ok(HostMut { slice })
+    }
+
+    /// Copies `src` (of the same length, on this buffer's device) into this buffer on `stream`,
+    /// after the last write to `src`; returns at once. See [`View::copy_to_host`].
+    ///
+    /// # Errors
+    /// As [`View::copy_to_host`].
+    pub fn copy_from_device<'s>(&mut self, src: impl Into<View<'s, T>>, stream: &Stream) -> Result<()> {
+        src.into().copy_to_host(self, stream)
+    }
+
+    /// Frees the memory once every copy that uses it has completed (the host blocks until
+    /// then), reporting errors that `Drop` has to swallow.
+    ///
+    /// # Errors
+    /// CUDA errors. The memory is then leaked rather than freed while it may be in use.
+    pub fn free(mut self) -> Result<()> {
+        let r = self.release();
+        // Released (or deliberately leaked): `Drop` must not free again.
+        self.len = 0;
+        r
+    }
+
+    fn release(&mut self) -> Result<()> {
+        // Every pending use, not only those a write would wait for on some stream: the host
+        // frees, and a free cannot be queued behind them on the GPU.
+        let pending = self.tracked.lock().take_all();
+        if self.byte_len() == 0 {
+            return Ok(());
+        }
+        // On error, return before the free: the memory leaks instead of being reused while a
+        // copy may still use it.
+        wait_all(&pending)?;
+        // SAFETY: the pointer came from malloc_host; every copy that used it has completed, and
+        // no other can be queued (`&mut self`, in `free` or `drop`).
+        unsafe { cu::free_host(self.ptr.cast()) }
+    }
+}
+
+impl<T: Pod> Drop for HostBuffer<T> {
+    fn drop(&mut self) {
+        // Errors leak the memory (see `release`); `free` reports them.
+        let _ = self.release();
+    }
+}
+
+/// A [`HostBuffer`]'s contents, read on the host: from [`HostBuffer::read`], which waited for
+/// every copy into it. Derefs to `&[T]`.
+pub struct HostRef<'a, T: Pod> {
+    slice: &'a [T],
+}
+
+impl<T: Pod> Deref for HostRef<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.slice
+    }
+}
+
+impl<T: Pod + std::fmt::Debug> std::fmt::Debug for HostRef<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.slice.fmt(f)
+    }
+}
+
+/// A [`HostBuffer`]'s contents, written on the host: from [`HostBuffer::write`], which waited
+/// for every copy into or out of it. Derefs to `&mut [T]`.
+pub struct HostMut<'a, T: Pod> {
+    slice: &'a mut [T],
+}
+
+impl<T: Pod> Deref for HostMut<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.slice
+    }
+}
+
+impl<T: Pod> DerefMut for HostMut<'_, T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        self.slice
+    }
+}
+
+impl<T: Pod + std::fmt::Debug> std::fmt::Debug for HostMut<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.slice.fmt(f)
+    }
+}
+
+impl<T: Pod> View<'_, T> {
+    /// Copies the view into `dst`, pinned host memory of the same length, on `stream` (of the
+    /// view's device, which must be `dst`'s), after the last write to the view's buffer and
+    /// every earlier use of `dst`; returns at once, without waiting for the copy. `dst.read()`
+    /// waits for it; `dst` cannot be written or freed before it is done.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the lengths differ, or the stream, the view or `dst` are
+    /// not all of one device; CUDA errors.
+    pub fn copy_to_host(&self, dst: &mut HostBuffer<T>, stream: &Stream) -> Result<()> {
+        let uses = [
+            TrackedUse::on(stream, self.tracked(), Access::Read),
+            TrackedUse::on(stream, &dst.tracked, Access::Write),
+        ];
+        engine::check_devices(&uses)?;
+        check_len(dst.len, self.len(), "the device view")?;
+        // The write the copy will read after. No other can be queued before the copy: a write
+        // needs the buffer borrowed exclusively, and `self` borrows it shared. Set before the
+        // copy is queued, so that whatever part of it reaches the stream is covered.
+        dst.filled_from = self.tracked().lock().last_write().cloned();
+        let (to, from, bytes) = (
+            dst.ptr.cast::<c_void>(),
+            self.as_raw_ptr().cast::<c_void>(),
+            self.byte_len(),
+        );
+        engine::enqueue(
+            &uses,
+            false,
+            |_| {
+                if bytes == 0 {
+                    return Ok(());
+                }
+                // SAFETY: `from` is `bytes` bytes of device memory, `to` as many of pinned host
+                // memory; the stream waits for the view's last write and every earlier use of
+                // `dst`, and the event recorded after the copy keeps the device buffer from
+                // being rewritten or freed, and `dst` from being read, written or freed on the
+                // host, before it is done.
+                unsafe {
+                    cu::memcpy_async(
+                        to,
+                        from,
+                        bytes,
+                        cudaMemcpyKind::cudaMemcpyDeviceToHost,
+                        stream.as_raw(),
+                    )
+                }
+            },
+            |_, _, _| {},
+        )
+    }
+}
+
+impl<T: Pod> ViewMut<'_, T> {
+    /// Copies `src`, pinned host memory of the same length, into the view on `stream` (of the
+    /// view's device, which must be `src`'s), after every earlier use of the view's buffer and
+    /// the last copy into `src`; returns at once, without waiting for the copy. `src` is
+    /// borrowed only for the call: it cannot be written on the host, or freed, before the copy
+    /// is done ([`HostBuffer::write`] and its drop wait for it).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the lengths differ, or the stream, the view or `src` are
+    /// not all of one device; CUDA errors.
+    pub fn copy_from_host(&mut self, src: &HostBuffer<T>, stream: &Stream) -> Result<()> {
+        let uses = [
+            TrackedUse::on(stream, &src.tracked, Access::Read),
+            TrackedUse::on(stream, self.tracked(), Access::Write),
+        ];
+        engine::check_devices(&uses)?;
+        check_len(self.len(), src.len, "the host buffer")?;
+        let (to, from, bytes) = (
+            self.as_raw_mut_ptr().cast::<c_void>(),
+            src.ptr.cast_const().cast::<c_void>(),
+            self.byte_len(),
+        );
+        engine::enqueue(
+            &uses,
+            false,
+            |_| {
+                if bytes == 0 {
+                    return Ok(());
+                }
+                // SAFETY: `to` is `bytes` bytes of device memory, `from` as many of pinned host
+                // memory; the stream waits for every earlier use of the view's buffer and the
+                // last copy into `src`, and the event recorded after the copy keeps `src` from
+                // being written or freed on the host, and the device buffer from being used, before
+                // it is done.
+                unsafe {
+                    cu::memcpy_async(
+                        to,
+                        from,
+                        bytes,
+                        cudaMemcpyKind::cudaMemcpyHostToDevice,
+                        stream.as_raw(),
+                    )
+                }
+            },
+            |_, _, _| {},
+        )
+    }
+
+    /// Copies the view into `dst`; see [`View::copy_to_host`].
+    ///
+    /// # Errors
+    /// As [`View::copy_to_host`].
+    pub fn copy_to_host(&self, dst: &mut HostBuffer<T>, stream: &Stream) -> Result<()> {
+        self.as_view().copy_to_host(dst, stream)
+    }
+}
+
+impl<T: Pod> DeviceBuffer<T> {
+    /// Copies the buffer into `dst`, pinned host memory of the same length; returns at once.
+    /// See [`View::copy_to_host`].
+    ///
+    /// # Errors
+    /// As [`View::copy_to_host`].
+    pub fn copy_to_host(&self, dst: &mut HostBuffer<T>, stream: &Stream) -> Result<()> {
+        self.view().copy_to_host(dst, stream)
+    }
+
+    /// Copies `src`, pinned host memory of the same length, into the buffer; returns at once.
+    /// See [`ViewMut::copy_from_host`].
+    ///
+    /// # Errors
+    /// As [`ViewMut::copy_from_host`].
+    pub fn copy_from_host(&mut self, src: &HostBuffer<T>, stream: &Stream) -> Result<()> {
+        self.view_mut().copy_from_host(src, stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_length_buffers_need_no_cuda() {
+        let dev = Device::for_tests();
+        let mut a = HostBuffer::<f32>::zeros(&dev, 0).unwrap();
+        assert!(a.is_empty());
+        assert_eq!((a.len(), a.byte_len()), (0, 0));
+        assert!(a.read().unwrap().is_empty());
+        assert!(a.write().unwrap().is_empty());
+        a.free().unwrap();
+        let b = HostBuffer::<u8>::from_slice(&dev, &[]).unwrap();
+        assert_eq!(b.device().ordinal(), 0);
+        assert!(format!("{b:?}").contains("len: 0"));
+        drop(b);
+        // Elements of no size need no memory, whatever their number.
+        let mut c = HostBuffer::<()>::zeros(&dev, 5).unwrap();
+        assert_eq!((c.len(), c.byte_len()), (5, 0));
+        assert_eq!(c.read().unwrap().len(), 5);
+        assert_eq!(c.write().unwrap().len(), 5);
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_refused_before_cuda() {
+        let dev = Device::for_tests();
+        assert!(matches!(
+            HostBuffer::<f64>::zeros(&dev, usize::MAX / 4),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn copies_of_other_lengths_are_refused_before_cuda() {
+        let dev = Device::for_tests();
+        let stream = Stream::for_tests(&dev);
+        // A device buffer's bookkeeping over memory that is never touched: the copies are
+        // refused before anything is queued.
+        let tracked = Tracked::new(&dev);
+        let ptr = std::ptr::NonNull::<f32>::dangling().as_ptr();
+        let mut host = HostBuffer::<f32>::zeros(&dev, 0).unwrap();
+        // SAFETY: never dereferenced: every call below fails on the lengths first.
+        let (view, mut view_mut) = unsafe {
+            (
+                View::from_raw(ptr, 3, &tracked),
+                ViewMut::from_raw(ptr, 3, &tracked),
+            )
+        };
+        for r in [
+            view.copy_to_host(&mut host, &stream),
+            view_mut.copy_to_host(&mut host, &stream),
+            view_mut.copy_from_host(&host, &stream),
+            host.copy_from_device(view, &stream),
+        ] {
+            match r {
+                Err(Error::InvalidArgument(m)) => {
+                    assert!(m.contains("3 elements") || m.contains("has 0"), "{m}")
+                }
+                other => panic!("a copy of another length gave {other:?}"),
+            }
+        }
+        // Nothing was recorded on either side.
+        assert!(tracked.lock().is_empty());
+        assert!(host.tracked.lock().is_empty());
+    }
+
+    #[test]
+    fn the_host_is_no_stream() {
+        // The host's id is stable and no stream gets it, so no use is ever taken as ordered
+        // before a host access by a stream.
+        assert_eq!(host(), host());
+        assert_ne!(StreamId::fresh(), host());
+        let mut t = crate::tracking::UseTracker::new();
+        let s = StreamId::fresh();
+        t.record(s, Access::Read, "r");
+        assert!(t.waits(host(), Access::Read).next().is_none());
+        t.record(s, Access::Write, "w");
+        t.record(StreamId::fresh(), Access::Read, "r2");
+        if !crate::tracking::BYPASSED {
+            assert_eq!(t.waits(host(), Access::Read).collect::<Vec<_>>(), [&"w"]);
+            assert_eq!(t.waits(host(), Access::Write).count(), 2);
+        }
+    }
+}

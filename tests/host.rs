@@ -1,0 +1,239 @@
+//! GPU tests of pinned host memory ([`HostBuffer`]): asynchronous copies to and from the device,
+//! and the host's access, which waits for them. The hazard tests fail when tracking is bypassed
+//! (`--cfg handoff_bypass_tracking`; `scripts/stage-device.sh` builds that twin): the host's
+//! waits go through the tracker too.
+//!
+//! Reported as ignored where no GPU is usable; see `tests/common/mod.rs`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Gpus, assert_all_eq};
+use handoff::kernels::{self, produced_value};
+use handoff::{Device, DeviceBuffer, Error, HostBuffer, Stream};
+use libtest_mimic::Failed;
+
+/// Long enough that, without tracking, the host or another stream certainly acts while the
+/// copy is still waiting.
+const LONG: Duration = Duration::from_millis(300);
+const N: usize = 1 << 20;
+
+fn main() {
+    let g = Gpus::detect();
+    common::run(vec![
+        g.trial(
+            "hazard_host_read_right_after_a_copy_in_is_queued",
+            1,
+            host_read_right_after_copy_in,
+        ),
+        g.trial(
+            "hazard_copy_to_host_after_a_late_write_on_another_stream",
+            1,
+            copy_to_host_after_late_write,
+        ),
+        g.trial(
+            "hazard_host_write_right_after_a_copy_out_is_queued",
+            1,
+            host_write_right_after_copy_out,
+        ),
+        g.trial(
+            "hazard_copy_into_a_host_buffer_still_copied_out_on_another_stream",
+            1,
+            copy_in_while_copied_out_on_another_stream,
+        ),
+        g.trial(
+            "hazard_drop_right_after_queued_copies",
+            1,
+            drop_right_after_queued_copies,
+        ),
+        g.trial("round_trips_through_views_exact_values", 1, round_trips),
+        g.trial(
+            "zero_length_and_mismatched_lengths",
+            1,
+            zero_length_and_mismatched_lengths,
+        ),
+    ]);
+}
+
+fn setup() -> Result<(Device, Stream, Stream), Failed> {
+    let dev = Device::new(0)?;
+    let (s1, s2) = (Stream::new(&dev)?, Stream::new(&dev)?);
+    Ok((dev, s1, s2))
+}
+
+/// `x = produced_value(i, round)`, finished on the GPU before the timed part of a test.
+fn produced(s: &Stream, n: usize, round: u32) -> Result<DeviceBuffer<f32>, Failed> {
+    let mut x = DeviceBuffer::<f32>::zeros(s, n)?;
+    kernels::produce(s, &mut x, round)?;
+    s.synchronize()?;
+    Ok(x)
+}
+
+/// A slow kernel writes y; the copy of y to pinned memory is queued behind it on the same
+/// stream (so the stream alone orders the copy after the write), and the host reads at once.
+/// `read()` must wait for the copy: otherwise it sees the zeros the buffer started with.
+fn host_read_right_after_copy_in() -> Result<(), Failed> {
+    let (dev, s, _) = setup()?;
+    let x = produced(&s, N, 3)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, N)?;
+    let mut host = HostBuffer::<f32>::zeros(&dev, N)?;
+    s.synchronize()?;
+    kernels::delayed_copy(&s, &x, &mut y, LONG)?;
+    let queued = Instant::now();
+    y.copy_to_host(&mut host, &s)?;
+    let returned = queued.elapsed();
+    let got = host.read()?;
+    println!(
+        "copy_to_host returned in {returned:?}; read() after {:?}",
+        queued.elapsed()
+    );
+    assert_all_eq("host after read()", &got, |i| produced_value(i, 3))?;
+    if returned >= LONG {
+        return Err(format!("copy_to_host blocked for {returned:?}: it must return at once").into());
+    }
+    Ok(())
+}
+
+/// A slow kernel writes y on stream 1; y is copied to pinned memory on stream 2 right after,
+/// and the host reads. The copy must wait for the write, and the read for the copy.
+fn copy_to_host_after_late_write() -> Result<(), Failed> {
+    let (dev, s1, s2) = setup()?;
+    let x = produced(&s1, N, 5)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    let mut host = HostBuffer::<f32>::zeros(&dev, N)?;
+    s1.synchronize()?;
+    kernels::delayed_copy(&s1, &x, &mut y, LONG)?;
+    host.copy_from_device(&y, &s2)?;
+    assert_all_eq("host after read()", &host.read()?, |i| produced_value(i, 5))
+}
+
+/// A copy of pinned memory to the device is queued behind a long kernel; the host then
+/// overwrites the pinned memory at once. `write()` must wait for the copy: the device gets the
+/// old values.
+fn host_write_right_after_copy_out() -> Result<(), Failed> {
+    let (dev, s, _) = setup()?;
+    let old: Vec<f32> = (0..N).map(|i| i as f32).collect();
+    let mut host = HostBuffer::from_slice(&dev, &old)?;
+    let mut d = DeviceBuffer::<f32>::zeros(&s, N)?;
+    s.synchronize()?;
+    kernels::busy(&s, LONG)?;
+    d.copy_from_host(&host, &s)?;
+    let t = Instant::now();
+    host.write()?.fill(-1.0);
+    println!("write() returned after {:?}", t.elapsed());
+    assert_all_eq("device copy", &d.to_vec(&s)?, |i| i as f32)?;
+    assert_all_eq("host after the write", &host.read()?, |_| -1.0)
+}
+
+/// Pinned memory is copied out to d1 on stream 1 behind a long kernel; then a copy from d2 into
+/// the same pinned memory is queued on stream 2. The copy in must wait for the copy out (write
+/// after read, across streams): d1 gets the old values, the host the new ones.
+fn copy_in_while_copied_out_on_another_stream() -> Result<(), Failed> {
+    let (dev, s1, s2) = setup()?;
+    let d2 = produced(&s2, N, 9)?;
+    let mut host = HostBuffer::from_slice(&dev, &(0..N).map(|i| -(i as f32)).collect::<Vec<_>>())?;
+    let mut d1 = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    s1.synchronize()?;
+    kernels::busy(&s1, LONG)?;
+    d1.copy_from_host(&host, &s1)?;
+    d2.copy_to_host(&mut host, &s2)?;
+    assert_all_eq("d1, copied out first", &d1.to_vec(&s1)?, |i| -(i as f32))?;
+    assert_all_eq("host, copied in second", &host.read()?, |i| produced_value(i, 9))
+}
+
+/// Host buffers dropped right after a copy out of one and into another was queued behind a long
+/// kernel: the drop must wait for the copy before freeing (the stream is idle once the drop
+/// returns), and the copy out must have carried the right values. With tracking bypassed the
+/// drop frees at once; the test then fails unless `cudaFreeHost` itself waits for the device
+/// (it is often reported to, as `cudaFree` does; the bypassed run says which).
+fn drop_right_after_queued_copies() -> Result<(), Failed> {
+    let (dev, s, _) = setup()?;
+    // Out of a host buffer, then drop it.
+    let host = HostBuffer::from_slice(&dev, &(0..N).map(|i| 2.0 * i as f32).collect::<Vec<_>>())?;
+    let mut d = DeviceBuffer::<f32>::zeros(&s, N)?;
+    s.synchronize()?;
+    kernels::busy(&s, LONG)?;
+    d.copy_from_host(&host, &s)?;
+    let t = Instant::now();
+    drop(host);
+    let idle = s.is_idle()?;
+    println!(
+        "drop after a copy out: {:?}, stream idle after: {idle}",
+        t.elapsed()
+    );
+    if !idle {
+        return Err("the host buffer was freed while a copy out of it was still queued".into());
+    }
+    assert_all_eq("device copy", &d.to_vec(&s)?, |i| 2.0 * i as f32)?;
+    // Into a host buffer, then drop it; free() reports errors.
+    let x = produced(&s, N, 2)?;
+    let mut host = HostBuffer::<f32>::zeros(&dev, N)?;
+    kernels::busy(&s, LONG)?;
+    x.copy_to_host(&mut host, &s)?;
+    let t = Instant::now();
+    host.free()?;
+    let idle = s.is_idle()?;
+    println!(
+        "free after a copy in: {:?}, stream idle after: {idle}",
+        t.elapsed()
+    );
+    if !idle {
+        return Err("the host buffer was freed while a copy into it was still queued".into());
+    }
+    s.synchronize()?;
+    Ok(())
+}
+
+/// Exact values through views in both directions, and through a second pinned buffer.
+fn round_trips() -> Result<(), Failed> {
+    let (dev, s1, s2) = setup()?;
+    let n = 1000;
+    let src = HostBuffer::from_slice(&dev, &(0..n).map(|i| i as u32 * 7).collect::<Vec<_>>())?;
+    let mut d = DeviceBuffer::<u32>::zeros(&s1, 3 * n)?;
+    d.slice_mut(n..2 * n)?.copy_from_host(&src, &s1)?;
+    let mut back = HostBuffer::<u32>::zeros(&dev, n)?;
+    d.slice(n..2 * n)?.copy_to_host(&mut back, &s2)?;
+    assert_all_eq("middle third, back", &back.read()?, |i| i as u32 * 7)?;
+    let mut whole = HostBuffer::<u32>::zeros(&dev, 3 * n)?;
+    whole.copy_from_device(&d, &s2)?;
+    {
+        let got = whole.read()?;
+        assert_all_eq("first third", &got[..n], |_| 0)?;
+        assert_all_eq("middle third", &got[n..2 * n], |i| i as u32 * 7)?;
+        assert_all_eq("last third", &got[2 * n..], |_| 0)?;
+    }
+    // The same pinned buffer, rewritten on the host and copied again.
+    whole
+        .write()?
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = i as u32);
+    d.copy_from_host(&whole, &s1)?;
+    assert_all_eq("device after the second copy", &d.to_vec(&s2)?, |i| i as u32)
+}
+
+fn zero_length_and_mismatched_lengths() -> Result<(), Failed> {
+    let (dev, s, _) = setup()?;
+    let mut h0 = HostBuffer::<f32>::zeros(&dev, 0)?;
+    let mut d0 = DeviceBuffer::<f32>::zeros(&s, 0)?;
+    d0.copy_to_host(&mut h0, &s)?;
+    d0.copy_from_host(&h0, &s)?;
+    if !h0.read()?.is_empty() || !h0.write()?.is_empty() {
+        return Err("a zero-length host buffer has elements".into());
+    }
+    h0.free()?;
+    let mut h = HostBuffer::<f32>::zeros(&dev, 10)?;
+    let mut d = DeviceBuffer::<f32>::zeros(&s, 11)?;
+    match d.copy_to_host(&mut h, &s) {
+        Err(Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("a copy to the host of another length gave {other:?}").into()),
+    }
+    match d.copy_from_host(&h, &s) {
+        Err(Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("a copy from the host of another length gave {other:?}").into()),
+    }
+    // The refused copies touched nothing.
+    assert_all_eq("host", &h.read()?, |_| 0.0)?;
+    assert_all_eq("device", &d.to_vec(&s)?, |_| 0.0)
+}
