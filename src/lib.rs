@@ -81,8 +81,15 @@
 //!   `tests/threads.rs` (twelve threads reading on a shared stream, then a write; it fails
 //!   against the crate before the fix).
 //! - **Host and drop.** Host copies wait for the last write and block until done; dropping a
-//!   buffer frees it on an internal stream after every pending use, without blocking. Tests:
-//!   `tests/gpu.rs` (a drop while a kernel reads, a host copy right after a write).
+//!   buffer frees it on an internal stream after every pending use, without blocking. Pinned
+//!   host buffers ([`HostBuffer`]) are tracked like device buffers: `read` waits for the last
+//!   copy into one, `write` and drop for every copy; the borrow checker keeps new copies out
+//!   while a host reference lives. Tests: `tests/gpu.rs` (a drop while a kernel reads, a host
+//!   copy right after a write), `tests/host.rs`.
+//! - **Users' kernels and raw work.** A launch through [`module`] declares each buffer's access
+//!   by the argument's type and is tracked like handoff's own kernels; what the kernel does
+//!   inside is the `unsafe` launch's contract. Raw work is declared with the `unsafe`
+//!   [`Stream::raw_use`]. Tests: `tests/user.rs`, `tests/cudarc.rs` (feature `cudarc`).
 //! - **NCCL groups.** NCCL queues nothing before `ncclGroupEnd`, so the events are recorded
 //!   after it; a raw `ncclGroupStart` left open would make them complete before the transfer,
 //!   which is why [`result::nccl::group_start`] is `unsafe`. Tests: compile-fail doc tests on the
