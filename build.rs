@@ -113,6 +113,10 @@ const NCCL_FUNCTIONS: &[&str] = &[
     "ncclGroupStart",
     "ncclGroupEnd",
     "ncclAllGather",
+    "ncclAllReduce",
+    "ncclBroadcast",
+    "ncclReduce",
+    "ncclReduceScatter",
 ];
 
 /// What to do with the committed copies, besides using them where generating is not possible.

@@ -163,6 +163,6 @@ pub use device::Device;
 pub use error::{Error, Result};
 pub use host::HostBuffer;
 pub use module::{ByValue, Function, KernelArg, LaunchBuilder, LaunchConfig, Module};
-pub use nccl::{CommOptions, Communicator, Group, NcclType, UniqueId, group};
+pub use nccl::{CommOptions, Communicator, Group, NcclType, ReduceOp, UniqueId, group};
 pub use stream::{Event, RawUse, Stream};
 pub use view::{View, ViewMut};

@@ -9,8 +9,8 @@ use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, Cut, State, usable};
 use crate::nccl::types::NcclType;
-use crate::nccl::verify::wire::OpDesc;
-use crate::nccl::verify::{self, Failure, PairOps};
+use crate::nccl::verify::wire::{CollDesc, CollKind, OpDesc};
+use crate::nccl::verify::{self, CollOps, Failure, PairOps};
 use crate::result::nccl as nc;
 use crate::stream::Stream;
 use crate::sys::nccl::{ncclDataType_t, ncclResult_t};
@@ -27,6 +27,55 @@ struct Op<'a> {
     count: usize,
     dtype: ncclDataType_t,
     peer: usize,
+}
+
+/// One collective, checked and waiting for [`Group`] to submit it.
+pub(crate) struct CollOp<'a> {
+    pub(crate) comm: &'a Communicator,
+    pub(crate) stream: &'a Stream,
+    pub(crate) desc: CollDesc,
+    pub(crate) dtype: ncclDataType_t,
+    /// The input, read; `None` in place (the output is then the input too).
+    pub(crate) send: Option<(&'a Tracked, *const c_void)>,
+    /// The output, written.
+    pub(crate) recv: (&'a Tracked, *mut c_void),
+}
+
+impl CollOp<'_> {
+    /// The call to NCCL.
+    ///
+    /// # Safety
+    /// As the `result::nccl` function it calls: the op was checked when added (sizes, root, the
+    /// buffers on the communicator's device and borrowed for the group), every rank posts the
+    /// same collective in the same place in its order (verified, or promised by
+    /// `CommOptions::unverified`), and tracking orders the buffers' other uses around it.
+    unsafe fn issue(&self, comm: crate::sys::nccl::ncclComm_t) -> Result<ncclResult_t> {
+        let recv = self.recv.1;
+        let send = self.send.map_or(recv.cast_const(), |s| s.1);
+        let (count, dtype, s) = (self.desc.count as usize, self.dtype, self.stream.as_raw());
+        let op = crate::sys::nccl::ncclRedOp_t(self.desc.redop);
+        let root = self.desc.root as i32;
+        // SAFETY: this function's contract.
+        unsafe {
+            match self.desc.kind {
+                CollKind::AllReduce => nc::all_reduce(send, recv, count, dtype, op, comm, s),
+                CollKind::Broadcast => nc::broadcast(send, recv, count, dtype, root, comm, s),
+                CollKind::Reduce => nc::reduce(send, recv, count, dtype, op, root, comm, s),
+                CollKind::AllGather => nc::all_gather(send, recv, count, dtype, comm, s),
+                CollKind::ReduceScatter => nc::reduce_scatter(send, recv, count, dtype, op, comm, s),
+            }
+        }
+    }
+
+    fn call_name(&self) -> &'static str {
+        match self.desc.kind {
+            CollKind::AllReduce => "ncclAllReduce",
+            CollKind::Broadcast => "ncclBroadcast",
+            CollKind::Reduce => "ncclReduce",
+            CollKind::AllGather => "ncclAllGather",
+            CollKind::ReduceScatter => "ncclReduceScatter",
+        }
+    }
 }
 
 impl Op<'_> {
@@ -46,6 +95,7 @@ impl Op<'_> {
 /// and streams.
 pub struct Group<'a> {
     ops: Vec<Op<'a>>,
+    pub(crate) colls: Vec<CollOp<'a>>,
     /// NCCL's group state is per thread.
     _not_send: PhantomData<*const ()>,
 }
@@ -81,6 +131,7 @@ pub struct Group<'a> {
 pub fn group<'a, R>(f: impl FnOnce(&mut Group<'a>) -> Result<R>) -> Result<R> {
     let mut g = Group {
         ops: Vec::new(),
+        colls: Vec::new(),
         _not_send: PhantomData,
     };
     let out = f(&mut g)?;
@@ -175,23 +226,71 @@ impl<'a> Group<'a> {
         Ok(())
     }
 
-    /// The index of `comm`'s first operation.
-    fn first_op(&self, comm: &Communicator) -> usize {
+    /// Every operation's communicator and stream, sends and receives first.
+    fn all(&self) -> impl Iterator<Item = (&'a Communicator, &'a Stream)> + '_ {
         self.ops
             .iter()
-            .position(|o| std::ptr::eq(o.comm, comm))
+            .map(|o| (o.comm, o.stream))
+            .chain(self.colls.iter().map(|c| (c.comm, c.stream)))
+    }
+
+    /// The stream of `comm`'s first operation: where its tracking event is recorded.
+    fn first_stream(&self, comm: &Communicator) -> &'a Stream {
+        self.all()
+            .find(|(c, _)| std::ptr::eq(*c, comm))
             .expect("a communicator of the group")
+            .1
     }
 
     /// The communicators of the group, each once, in first-use order (few: a linear scan).
     fn comms(&self) -> Vec<&'a Communicator> {
         let mut comms: Vec<&Communicator> = Vec::new();
-        for op in &self.ops {
-            if !comms.iter().any(|c| std::ptr::eq(*c, op.comm)) {
-                comms.push(op.comm);
+        for (c, _) in self.all() {
+            if !comms.iter().any(|d| std::ptr::eq(*d, c)) {
+                comms.push(c);
             }
         }
         comms
+    }
+
+    /// Collectives between ranks of one `init_all` (driven by one thread) must all be in this
+    /// group, the same sequence on every rank: NCCL would otherwise wait forever for a rank the
+    /// thread would only get to later.
+    fn check_local_collectives(&self) -> Result<()> {
+        for c in self.comms() {
+            let Some(clique) = c.clique.as_ref() else { continue };
+            let seq = |of: &Communicator| -> Vec<CollDesc> {
+                self.colls
+                    .iter()
+                    .filter(|o| std::ptr::eq(o.comm, of))
+                    .map(|o| o.desc)
+                    .collect()
+            };
+            let mine = seq(c);
+            if mine.is_empty() {
+                continue;
+            }
+            for r in 0..c.world_size() {
+                let other = self.comms().into_iter().find(|d| {
+                    d.rank() == r
+                        && d.clique
+                            .as_ref()
+                            .is_some_and(|k| std::sync::Arc::ptr_eq(k, clique))
+                });
+                let theirs = other.map(seq).unwrap_or_default();
+                if theirs != mine {
+                    return Err(Error::InvalidArgument(format!(
+                        "rank {}'s collectives [{}] and rank {r}'s [{}] in this group differ: ranks \
+                         made together by Communicator::init_all are driven by one thread, so \
+                         every one of them posts the same collectives in one group",
+                        c.rank(),
+                        mine.iter().map(|d| d.describe()).collect::<Vec<_>>().join(", "),
+                        theirs.iter().map(|d| d.describe()).collect::<Vec<_>>().join(", ")
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The communicator of rank `peer` made by the same `init_all` as `comm`, in this group.
@@ -285,10 +384,23 @@ impl<'a> Group<'a> {
             };
             side.push(op.desc());
         }
-        if pairs.is_empty() {
+        let mut colls: Vec<CollOps<'_>> = Vec::new();
+        for op in &self.colls {
+            let Some(boxes) = &op.comm.boxes else { continue };
+            match colls.iter_mut().find(|c| std::ptr::eq(c.boxes, boxes)) {
+                Some(c) => c.ops.push(op.desc),
+                None => colls.push(CollOps {
+                    boxes,
+                    ops: vec![op.desc],
+                    local: op.comm.clique.is_some(),
+                    timeout: op.comm.timeout(),
+                }),
+            }
+        }
+        if pairs.is_empty() && colls.is_empty() {
             return Ok(());
         }
-        let failure = match verify::verify(&pairs) {
+        let failure = match verify::verify(&pairs, &colls) {
             Ok(()) => return Ok(()),
             Err(f) => f,
         };
@@ -310,11 +422,12 @@ impl<'a> Group<'a> {
     }
 
     fn submit(self) -> Result<()> {
-        if self.ops.is_empty() {
+        if self.ops.is_empty() && self.colls.is_empty() {
             return Ok(());
         }
         let comms = self.comms();
         self.check_local()?;
+        self.check_local_collectives()?;
         self.verify(&comms)?;
         // Verified: each operation is now in the peers' order. From here until NCCL has the
         // group, any failure (or panic) must break every communicator of the group, or their
@@ -323,17 +436,25 @@ impl<'a> Group<'a> {
             comms: &comms,
             posted: false,
         };
-        let uses: Vec<TrackedUse<'_>> = self
+        // One tracking event per communicator, on its first stream: see the engine.
+        let use_of =
+            |comm: &Communicator, stream: &'a Stream, tracked: &'a Tracked, access: Access| TrackedUse {
+                stream,
+                tracked,
+                access,
+                record: self.first_stream(comm),
+            };
+        let mut uses: Vec<TrackedUse<'_>> = self
             .ops
             .iter()
-            .map(|o| TrackedUse {
-                stream: o.stream,
-                tracked: o.tracked,
-                access: o.access,
-                // One tracking event per communicator, on its first stream: see the engine.
-                record: self.ops[self.first_op(o.comm)].stream,
-            })
+            .map(|o| use_of(o.comm, o.stream, o.tracked, o.access))
             .collect();
+        for c in &self.colls {
+            if let Some((t, _)) = c.send {
+                uses.push(use_of(c.comm, c.stream, t, Access::Read));
+            }
+            uses.push(use_of(c.comm, c.stream, c.recv.0, Access::Write));
+        }
         let r = engine::enqueue(
             &uses,
             true,
@@ -343,14 +464,18 @@ impl<'a> Group<'a> {
                 // each receives from.
                 for c in comms
                     .iter()
-                    .filter(|c| std::ptr::eq(uses[self.first_op(c)].record, stream))
+                    .filter(|c| std::ptr::eq(self.first_stream(c), stream))
                 {
-                    let peers = self
+                    let mut peers: Vec<usize> = self
                         .ops
                         .iter()
                         .filter(|o| std::ptr::eq(o.comm, *c) && o.access == Access::Write)
                         .map(|o| o.peer)
                         .collect();
+                    // A collective's output depends on every other rank.
+                    if self.colls.iter().any(|o| std::ptr::eq(o.comm, *c)) {
+                        peers.extend((0..c.world_size()).filter(|&r| r != c.rank()));
+                    }
                     c.note_pending(event, before, peers);
                 }
             },
@@ -451,6 +576,24 @@ impl<'a> Group<'a> {
             if let Err(e) = issued {
                 failed = Some(e);
                 break;
+            }
+        }
+        for op in &self.colls {
+            if failed.is_some() {
+                break;
+            }
+            // SAFETY: `CollOp::issue`'s contract: checked when added, verified (or promised),
+            // tracked; the communicator is live (lock held).
+            let rc = unsafe { op.issue(raw_of(op.comm)) };
+            let issued = rc.and_then(|rc| {
+                if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress {
+                    Ok(())
+                } else {
+                    Err(nc::error(op.call_name(), rc))
+                }
+            });
+            if let Err(e) = issued {
+                failed = Some(e);
             }
         }
         // Always close the group, even after an error.

@@ -24,6 +24,7 @@
 //! may move to another thread) but not `Sync`, and a [`Group`], which holds communicators, is
 //! neither: NCCL's group state belongs to the thread that opened it.
 
+mod collective;
 mod communicator;
 mod group;
 mod id;
@@ -32,6 +33,7 @@ mod types;
 mod verify;
 mod watchdog;
 
+pub use collective::ReduceOp;
 pub use communicator::Communicator;
 pub use group::{Group, group};
 pub use id::UniqueId;

@@ -326,6 +326,83 @@ pub unsafe fn all_gather(
     Ok(unsafe { lib()?.ncclAllGather(send, recv, count, dtype, comm, stream) })
 }
 
+/// `ncclAllReduce`: the element-wise reduction `op` of every rank's `send` into every rank's
+/// `recv` (`send == recv`: in place).
+///
+/// # Safety
+/// `send` and `recv` hold `count` elements of `dtype` on `comm`'s device (they may be the same
+/// buffer), neither written by anything else (nor `recv` read) until the operation completes on
+/// `stream`; every rank calls it with the same `count`, `dtype` and `op`, in the same order
+/// among its collectives.
+pub unsafe fn all_reduce(
+    send: *const std::ffi::c_void,
+    recv: *mut std::ffi::c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    op: crate::sys::nccl::ncclRedOp_t,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> Result<ncclResult_t> {
+    // SAFETY: the caller vouches for every argument.
+    Ok(unsafe { lib()?.ncclAllReduce(send, recv, count, dtype, op, comm, stream) })
+}
+
+/// `ncclBroadcast`: `root`'s `send` into every rank's `recv`.
+///
+/// # Safety
+/// As [`all_reduce`]; `send` is read on `root` only (any pointer elsewhere); `root` is a rank
+/// of `comm`, the same on every rank.
+pub unsafe fn broadcast(
+    send: *const std::ffi::c_void,
+    recv: *mut std::ffi::c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    root: i32,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> Result<ncclResult_t> {
+    // SAFETY: the caller vouches for every argument.
+    Ok(unsafe { lib()?.ncclBroadcast(send, recv, count, dtype, root, comm, stream) })
+}
+
+/// `ncclReduce`: the reduction `op` of every rank's `send` into `root`'s `recv`.
+///
+/// # Safety
+/// As [`broadcast`]; `recv` is written on `root` only.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn reduce(
+    send: *const std::ffi::c_void,
+    recv: *mut std::ffi::c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    op: crate::sys::nccl::ncclRedOp_t,
+    root: i32,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> Result<ncclResult_t> {
+    // SAFETY: the caller vouches for every argument.
+    Ok(unsafe { lib()?.ncclReduce(send, recv, count, dtype, op, root, comm, stream) })
+}
+
+/// `ncclReduceScatter`: the reduction `op` of every rank's `send` (`recv_count × world`
+/// elements), block `r` of it into rank `r`'s `recv`.
+///
+/// # Safety
+/// As [`all_reduce`], with `send` holding `recv_count × world` elements and `recv`
+/// `recv_count`.
+pub unsafe fn reduce_scatter(
+    send: *const std::ffi::c_void,
+    recv: *mut std::ffi::c_void,
+    recv_count: usize,
+    dtype: ncclDataType_t,
+    op: crate::sys::nccl::ncclRedOp_t,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> Result<ncclResult_t> {
+    // SAFETY: the caller vouches for every argument.
+    Ok(unsafe { lib()?.ncclReduceScatter(send, recv, recv_count, dtype, op, comm, stream) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

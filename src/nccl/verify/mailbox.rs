@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::wire::{Dir, OpDesc};
+use super::wire::{CollDesc, Dir, OpDesc};
 
 /// Entries per ring: how far a rank may publish ahead of its peer's checks.
 pub(crate) const RING: u64 = 64;
@@ -31,8 +31,10 @@ const H_STATUS: usize = 4;
 const H_HEARTBEAT: usize = 5;
 const H_BACKLOG: usize = 6;
 const RING_WORDS: usize = RING as usize * ENTRY_WORDS;
-/// Two rings and two counters, rounded up to whole 64-byte lines.
-const PEER_WORDS: usize = (2 * RING_WORDS + 2).div_ceil(8) * 8;
+/// Two rings and three counters, rounded up to whole 64-byte lines.
+const PEER_WORDS: usize = (2 * RING_WORDS + 3).div_ceil(8) * 8;
+/// A collective's entry: tag, then [`CollDesc::encode`]'s three words.
+const COLL_WORDS: usize = 4;
 
 /// A rank's status word: nothing wrong.
 pub(crate) const LIVE: u64 = 0;
@@ -79,7 +81,9 @@ unsafe impl Send for Region {}
 unsafe impl Sync for Region {}
 
 fn words_for(world: usize) -> Option<usize> {
-    world.checked_mul(PEER_WORDS)?.checked_add(HEADER_WORDS)
+    world
+        .checked_mul(PEER_WORDS)?
+        .checked_add(HEADER_WORDS + RING as usize * COLL_WORDS)
 }
 
 impl Region {
@@ -219,6 +223,45 @@ impl Region {
         self.block(peer) + 2 * RING_WORDS + if dir == Dir::Send { 0 } else { 1 }
     }
 
+    fn coll_slot(&self, index: u64) -> usize {
+        HEADER_WORDS + self.world * PEER_WORDS + (index % RING) as usize * COLL_WORDS
+    }
+
+    /// Publishes this rank's collective number `index`. The caller has made sure every peer
+    /// checked entry `index - RING` ([`Region::coll_checked`]).
+    pub(crate) fn publish_coll(&self, index: u64, op: CollDesc) {
+        assert!(self.writable(), "a peer's mailbox is never written");
+        let at = self.coll_slot(index);
+        for (i, w) in op.encode().into_iter().enumerate() {
+            self.word(at + 1 + i).store(w, Ordering::Relaxed);
+        }
+        self.word(at).store(index + 1, Ordering::Release);
+    }
+
+    /// The owner's collective number `index`, once published: `Some(None)` for words no
+    /// handoff wrote.
+    pub(crate) fn read_coll(&self, index: u64) -> Option<Option<CollDesc>> {
+        let at = self.coll_slot(index);
+        if self.word(at).load(Ordering::Acquire) != index + 1 {
+            return None;
+        }
+        let w = [1, 2, 3].map(|i| self.word(at + i).load(Ordering::Relaxed));
+        Some(CollDesc::decode(w))
+    }
+
+    /// How many of `peer`'s collectives the owner has checked.
+    pub(crate) fn coll_checked(&self, peer: usize) -> u64 {
+        self.word(self.block(peer) + 2 * RING_WORDS + 2)
+            .load(Ordering::Acquire)
+    }
+
+    /// Records that the owner has checked `n` of `peer`'s collectives.
+    pub(crate) fn set_coll_checked(&self, peer: usize, n: u64) {
+        assert!(self.writable(), "a peer's mailbox is never written");
+        self.word(self.block(peer) + 2 * RING_WORDS + 2)
+            .store(n, Ordering::Release);
+    }
+
     /// Publishes this rank's operation number `index` with `peer`. The caller has made sure the
     /// peer checked entry `index - RING` ([`Region::checked`]).
     pub(crate) fn publish(&self, peer: usize, dir: Dir, index: u64, op: OpDesc) {
@@ -324,6 +367,32 @@ mod tests {
         assert!(!r.busy_and_alive(1_600, 500), "stale: the owner may be dead");
         r.set_heartbeat(1_600, false);
         assert!(!r.busy_and_alive(1_600, 500), "alive but not held up");
+    }
+
+    #[test]
+    fn collective_entries_round_trip_and_wrap() {
+        use super::super::wire::{CollKind, NONE};
+        let r = Region::in_process(3, 0);
+        let d = CollDesc {
+            kind: CollKind::AllGather,
+            count: 7,
+            dtype: 7,
+            redop: NONE,
+            root: NONE,
+        };
+        assert_eq!(r.read_coll(0), None);
+        r.publish_coll(0, d);
+        assert_eq!(r.read_coll(0), Some(Some(d)));
+        r.publish_coll(RING, CollDesc { count: 8, ..d });
+        assert_eq!(r.read_coll(0), None);
+        assert_eq!(r.read_coll(RING), Some(Some(CollDesc { count: 8, ..d })));
+        // The collective ring does not overlap the peers' blocks.
+        assert_eq!(r.read(2, Dir::Recv, 0), None);
+        r.set_coll_checked(2, 5);
+        assert_eq!(
+            (r.coll_checked(2), r.coll_checked(1), r.checked(2, Dir::Recv)),
+            (5, 0, 0)
+        );
     }
 
     #[test]

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mailbox::{BROKEN, RING, Region};
-use wire::{Dir, OpDesc, compare};
+use wire::{CollDesc, Dir, OpDesc, compare, compare_coll};
 
 /// One rank's view of the mailboxes of its communicator.
 pub(crate) struct Mailboxes {
@@ -33,6 +33,9 @@ pub(crate) struct Mailboxes {
     /// Per peer: this rank's sends published, receives published, sends checked, receives
     /// checked (counts since creation).
     counters: RefCell<Vec<[u64; 4]>>,
+    /// Collectives: how many this rank published, and per peer how many of the peer's it
+    /// checked (counts since creation).
+    colls: RefCell<(u64, Vec<u64>)>,
 }
 
 const SENT: usize = 0;
@@ -48,6 +51,7 @@ impl Mailboxes {
             rank,
             regions,
             counters: RefCell::new(vec![[0; 4]; world]),
+            colls: RefCell::new((0, vec![0; world])),
         }
     }
 
@@ -67,6 +71,71 @@ pub(crate) struct PairOps<'a> {
     pub(crate) local: bool,
     /// The deadline of waiting for the peer (the communicator's timeout).
     pub(crate) timeout: Duration,
+}
+
+/// The collectives of one group on one rank, in the order issued: every rank of the
+/// communicator must post the same ones in the same order.
+pub(crate) struct CollOps<'a> {
+    pub(crate) boxes: &'a Mailboxes,
+    pub(crate) ops: Vec<CollDesc>,
+    /// The other ranks' collectives come from this same group (ranks of one `init_all`).
+    pub(crate) local: bool,
+    pub(crate) timeout: Duration,
+}
+
+#[derive(Default, Clone)]
+struct CollDone {
+    published: usize,
+    /// Per peer.
+    checked: Vec<usize>,
+}
+
+/// Publishes and checks what it can of one rank's collectives. Ok(true) if anything moved.
+fn step_coll(c: &CollOps<'_>, d: &mut CollDone) -> Result<bool, Failure> {
+    let me = c.boxes.rank;
+    let regions = &c.boxes.regions;
+    let mine = c.boxes.mine();
+    let mut st = c.boxes.colls.borrow_mut();
+    let (published, checked) = &mut *st;
+    let mut moved = false;
+    while d.published < c.ops.len() {
+        // Every peer must have checked the entry the slot held before.
+        let oldest = (0..regions.len())
+            .filter(|&p| p != me)
+            .map(|p| regions[p].coll_checked(me))
+            .min()
+            .unwrap_or(u64::MAX);
+        if *published >= RING.saturating_add(oldest) {
+            break;
+        }
+        mine.publish_coll(*published, c.ops[d.published]);
+        *published += 1;
+        d.published += 1;
+        moved = true;
+    }
+    for p in (0..regions.len()).filter(|&p| p != me) {
+        while d.checked[p] < c.ops.len() {
+            let index = checked[p];
+            let Some(theirs) = regions[p].read_coll(index) else {
+                break;
+            };
+            compare_coll(me, p, index, c.ops[d.checked[p]], theirs).map_err(Failure::Mismatch)?;
+            checked[p] += 1;
+            d.checked[p] += 1;
+            mine.set_coll_checked(p, checked[p]);
+            moved = true;
+        }
+    }
+    Ok(moved)
+}
+
+fn coll_finished(c: &CollOps<'_>, d: &CollDone) -> bool {
+    let me = c.boxes.rank;
+    d.published == c.ops.len()
+        && d.checked
+            .iter()
+            .enumerate()
+            .all(|(p, &n)| p == me || n == c.ops.len())
 }
 
 /// Why verification failed.
@@ -95,9 +164,16 @@ struct Done {
 /// Publishes every operation of `pairs` and checks each against its counterpart, waiting (with
 /// each pair's timeout) for peers in other threads or processes. On success every operation
 /// may be posted to NCCL.
-pub(crate) fn verify(pairs: &[PairOps<'_>]) -> Result<(), Failure> {
+pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(), Failure> {
     let started = Instant::now();
     let mut done = vec![Done::default(); pairs.len()];
+    let mut coll_done: Vec<CollDone> = colls
+        .iter()
+        .map(|c| CollDone {
+            published: 0,
+            checked: vec![0; c.boxes.regions.len()],
+        })
+        .collect();
     let mut spins = 0u32;
     loop {
         let mut progressed = false;
@@ -107,14 +183,23 @@ pub(crate) fn verify(pairs: &[PairOps<'_>]) -> Result<(), Failure> {
             finished &=
                 d.published == [p.sends.len(), p.recvs.len()] && d.checked == [p.sends.len(), p.recvs.len()];
         }
+        for (c, d) in colls.iter().zip(coll_done.iter_mut()) {
+            progressed |= step_coll(c, d)?;
+            finished &= coll_finished(c, d);
+        }
         if finished {
             // A peer whose entries were all there may have broken since it published them: it
             // will not post its side, so do not post ours.
-            return match pairs
+            let broken_pair = pairs
                 .iter()
                 .find(|p| !p.local && p.boxes.regions[p.peer].status() == BROKEN)
-            {
-                Some(p) => Err(Failure::PeerBroken(p.peer)),
+                .map(|p| p.peer);
+            let broken_coll = colls.iter().filter(|c| !c.local).find_map(|c| {
+                (0..c.boxes.regions.len())
+                    .find(|&r| r != c.boxes.rank && c.boxes.regions[r].status() == BROKEN)
+            });
+            return match broken_pair.or(broken_coll) {
+                Some(peer) => Err(Failure::PeerBroken(peer)),
                 None => Ok(()),
             };
         }
@@ -138,6 +223,36 @@ pub(crate) fn verify(pairs: &[PairOps<'_>]) -> Result<(), Failure> {
             if waited >= p.timeout {
                 return Err(Failure::Timeout {
                     peer: p.peer,
+                    waited,
+                    what,
+                });
+            }
+        }
+        for (c, d) in colls.iter().zip(&coll_done) {
+            if coll_finished(c, d) {
+                continue;
+            }
+            let me = c.boxes.rank;
+            let behind = (0..c.boxes.regions.len()).find(|&r| r != me && d.checked[r] < c.ops.len());
+            let what = match behind {
+                Some(r) => format!(
+                    "rank {r} has not posted the counterpart of rank {me}'s collective #{}",
+                    c.boxes.colls.borrow().1[r] + 1
+                ),
+                None => "the other ranks have not yet checked this rank's earlier collectives".into(),
+            };
+            if c.local {
+                return Err(Failure::Missing(what));
+            }
+            let broken =
+                (0..c.boxes.regions.len()).find(|&r| r != me && c.boxes.regions[r].status() == BROKEN);
+            if let Some(r) = broken {
+                return Err(Failure::PeerBroken(r));
+            }
+            let waited = started.elapsed();
+            if waited >= c.timeout {
+                return Err(Failure::Timeout {
+                    peer: behind.unwrap_or(me),
                     waited,
                     what,
                 });
@@ -235,6 +350,120 @@ mod tests {
         (0..n).map(|r| Mailboxes::new(r, regions.clone())).collect()
     }
 
+    fn verify_pairs(pairs: &[PairOps<'_>]) -> Result<(), Failure> {
+        verify(pairs, &[])
+    }
+
+    fn coll<'a>(boxes: &'a Mailboxes, ops: &[CollDesc]) -> CollOps<'a> {
+        CollOps {
+            boxes,
+            ops: ops.to_vec(),
+            local: false,
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    #[test]
+    fn collectives_agree_across_three_ranks_on_threads_and_refuse_a_difference() {
+        use wire::{CollKind, NONE};
+        let sum = CollDesc {
+            kind: CollKind::AllReduce,
+            count: 1001,
+            dtype: F32,
+            redop: 0,
+            root: NONE,
+        };
+        let bcast = CollDesc {
+            kind: CollKind::Broadcast,
+            count: 5,
+            dtype: F32,
+            redop: NONE,
+            root: 2,
+        };
+        // Mailboxes are not Sync (their counters are per communicator, used by its one
+        // thread): each rank's moves to its thread, and the three agree.
+        let spawn = |b: Mailboxes, ops: Vec<CollDesc>| {
+            std::thread::spawn(move || (verify(&[], &[coll(&b, &ops)]), b))
+        };
+        let mut ranks = world(3);
+        let c = ranks.pop().unwrap();
+        let b = ranks.pop().unwrap();
+        let a = ranks.pop().unwrap();
+        let hs = [
+            spawn(a, vec![sum, bcast]),
+            spawn(b, vec![sum, bcast]),
+            spawn(c, vec![sum, bcast]),
+        ];
+        let mut boxes = Vec::new();
+        for h in hs {
+            let (r, b) = h.join().unwrap();
+            r.unwrap();
+            boxes.push(b);
+        }
+        // Then rank 2 posts a broadcast from another root: every rank fails, naming both.
+        let other = CollDesc { root: 0, ..bcast };
+        let c = boxes.pop().unwrap();
+        let b = boxes.pop().unwrap();
+        let a = boxes.pop().unwrap();
+        let hs = [
+            spawn(a, vec![bcast]),
+            spawn(b, vec![bcast]),
+            spawn(c, vec![other]),
+        ];
+        for (r, h) in hs.into_iter().enumerate() {
+            match h.join().unwrap().0 {
+                Err(Failure::Mismatch(m)) => {
+                    assert!(m.contains("root 2") && m.contains("root 0"), "rank {r}: {m}")
+                }
+                other => panic!("rank {r}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn many_more_collectives_than_ring_slots() {
+        use wire::{CollKind, NONE};
+        let ops: Vec<CollDesc> = (1..=300)
+            .map(|n| CollDesc {
+                kind: CollKind::AllGather,
+                count: n,
+                dtype: F32,
+                redop: NONE,
+                root: NONE,
+            })
+            .collect();
+        let [a, b] = two();
+        let (oa, ob) = (ops.clone(), ops);
+        let ta = std::thread::spawn(move || verify(&[], &[coll(&a, &oa)]));
+        // The other rank posts them one group at a time.
+        let tb = std::thread::spawn(move || {
+            ob.iter()
+                .try_for_each(|o| verify(&[], &[coll(&b, std::slice::from_ref(o))]))
+        });
+        ta.join().unwrap().unwrap();
+        tb.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_missing_collective_is_a_timeout_or_at_once_when_local() {
+        use wire::{CollKind, NONE};
+        let d = CollDesc {
+            kind: CollKind::AllReduce,
+            count: 4,
+            dtype: F32,
+            redop: 0,
+            root: NONE,
+        };
+        let w = world(2);
+        let mut c = coll(&w[0], &[d]);
+        c.timeout = Duration::from_millis(200);
+        assert!(matches!(verify(&[], &[c]), Err(Failure::Timeout { peer: 1, .. })));
+        let w = world(2);
+        let mut c = coll(&w[0], &[d]);
+        c.local = true;
+        assert!(matches!(verify(&[], &[c]), Err(Failure::Missing(_))));
+    }
+
     fn two() -> [Mailboxes; 2] {
         let mut w = world(2);
         let w1 = w.pop().unwrap();
@@ -255,9 +484,9 @@ mod tests {
     #[test]
     fn a_send_and_its_receive_in_one_group_pass() {
         let w = world(2);
-        verify(&[pair(&w[0], 1, &[4], &[], true), pair(&w[1], 0, &[], &[4], true)]).unwrap();
+        verify_pairs(&[pair(&w[0], 1, &[4], &[], true), pair(&w[1], 0, &[], &[4], true)]).unwrap();
         // And again: the counters moved on together.
-        verify(&[
+        verify_pairs(&[
             pair(&w[0], 1, &[8, 2], &[1], true),
             pair(&w[1], 0, &[1], &[8, 2], true),
         ])
@@ -267,8 +496,8 @@ mod tests {
     #[test]
     fn self_transfers_match_in_order_within_the_group() {
         let w = world(1);
-        verify(&[pair(&w[0], 0, &[3, 5], &[3, 5], true)]).unwrap();
-        let e = verify(&[pair(&w[0], 0, &[3, 5], &[5, 3], true)]).unwrap_err();
+        verify_pairs(&[pair(&w[0], 0, &[3, 5], &[3, 5], true)]).unwrap();
+        let e = verify_pairs(&[pair(&w[0], 0, &[3, 5], &[5, 3], true)]).unwrap_err();
         assert!(
             matches!(&e, Failure::Mismatch(m) if m.contains("send #3")),
             "{e:?}"
@@ -279,7 +508,7 @@ mod tests {
     fn a_lone_local_send_fails_at_once_instead_of_waiting() {
         let w = world(1);
         let t = Instant::now();
-        let e = verify(&[pair(&w[0], 0, &[4], &[], true)]).unwrap_err();
+        let e = verify_pairs(&[pair(&w[0], 0, &[4], &[], true)]).unwrap_err();
         assert!(
             matches!(&e, Failure::Missing(m) if m.contains("no matching receive in the same group")),
             "{e:?}"
@@ -292,8 +521,8 @@ mod tests {
         // Issue 9, hole 1: a send of n f32 matched with a receive of 3n/4, ranks on two threads.
         let [w0, w1] = two();
         let n = 4_194_304;
-        let sender = std::thread::spawn(move || verify(&[pair(&w0, 1, &[n], &[], false)]));
-        let receiver = std::thread::spawn(move || verify(&[pair(&w1, 0, &[], &[3 * n / 4], false)]));
+        let sender = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[n], &[], false)]));
+        let receiver = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[3 * n / 4], false)]));
         for (who, r) in [
             ("sender", sender.join().unwrap()),
             ("receiver", receiver.join().unwrap()),
@@ -308,9 +537,9 @@ mod tests {
     #[test]
     fn ranks_in_threads_wait_for_each_other() {
         let [w0, w1] = two();
-        let a = std::thread::spawn(move || verify(&[pair(&w0, 1, &[4], &[], false)]));
+        let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[4], &[], false)]));
         std::thread::sleep(Duration::from_millis(50));
-        let b = std::thread::spawn(move || verify(&[pair(&w1, 0, &[], &[4], false)]));
+        let b = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[4], false)]));
         a.join().unwrap().unwrap();
         b.join().unwrap().unwrap();
     }
@@ -321,7 +550,7 @@ mod tests {
         let mut p = pair(&w[0], 1, &[4], &[], false);
         p.timeout = Duration::from_millis(200);
         let t = Instant::now();
-        let e = verify(&[p]).unwrap_err();
+        let e = verify_pairs(&[p]).unwrap_err();
         assert!(matches!(e, Failure::Timeout { peer: 1, .. }), "{e:?}");
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     }
@@ -330,7 +559,7 @@ mod tests {
     fn a_broken_peer_ends_the_wait_at_once() {
         let w = world(2);
         w[1].regions[1].set_broken();
-        let e = verify(&[pair(&w[0], 1, &[4], &[], false)]).unwrap_err();
+        let e = verify_pairs(&[pair(&w[0], 1, &[4], &[], false)]).unwrap_err();
         assert_eq!(e, Failure::PeerBroken(1));
     }
 
@@ -341,10 +570,10 @@ mod tests {
         let [w0, w1] = two();
         let counts: Vec<u64> = (1..=1000).collect();
         let sent = counts.clone();
-        let a = std::thread::spawn(move || verify(&[pair(&w0, 1, &sent, &[], false)]));
+        let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &sent, &[], false)]));
         let b = std::thread::spawn(move || {
             for &c in &counts {
-                verify(&[pair(&w1, 0, &[], &[c], false)])?;
+                verify_pairs(&[pair(&w1, 0, &[], &[c], false)])?;
             }
             Ok::<(), Failure>(())
         });
@@ -371,8 +600,8 @@ mod tests {
         std::fs::remove_file(p1).unwrap();
         let counts: Vec<u64> = (1..=300).collect();
         let sent = counts.clone();
-        let a = std::thread::spawn(move || verify(&[pair(&rank0, 1, &sent, &[7], false)]));
-        let b = std::thread::spawn(move || verify(&[pair(&rank1, 0, &[7], &counts, false)]));
+        let a = std::thread::spawn(move || verify_pairs(&[pair(&rank0, 1, &sent, &[7], false)]));
+        let b = std::thread::spawn(move || verify_pairs(&[pair(&rank1, 0, &[7], &counts, false)]));
         a.join().unwrap().unwrap();
         b.join().unwrap().unwrap();
     }

@@ -72,6 +72,129 @@ pub(crate) fn compare(
     })
 }
 
+/// Which collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CollKind {
+    AllReduce = 1,
+    Broadcast = 2,
+    Reduce = 3,
+    AllGather = 4,
+    ReduceScatter = 5,
+}
+
+impl CollKind {
+    fn name(self) -> &'static str {
+        match self {
+            CollKind::AllReduce => "all_reduce",
+            CollKind::Broadcast => "broadcast",
+            CollKind::Reduce => "reduce",
+            CollKind::AllGather => "all_gather",
+            CollKind::ReduceScatter => "reduce_scatter",
+        }
+    }
+
+    fn from_code(c: u64) -> Option<CollKind> {
+        Some(match c {
+            1 => CollKind::AllReduce,
+            2 => CollKind::Broadcast,
+            3 => CollKind::Reduce,
+            4 => CollKind::AllGather,
+            5 => CollKind::ReduceScatter,
+            _ => return None,
+        })
+    }
+}
+
+/// "No reduction" / "no root", in a [`CollDesc`].
+pub(crate) const NONE: u32 = u32::MAX;
+
+/// One collective as every rank of the communicator must post it, in the same order: NCCL
+/// leaves a disagreement on operation, count, type, root or reduction undefined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CollDesc {
+    pub(crate) kind: CollKind,
+    /// NCCL's count: all_reduce, broadcast and reduce its elements; all_gather each rank's part;
+    /// reduce_scatter each rank's result.
+    pub(crate) count: u64,
+    pub(crate) dtype: u32,
+    /// `ncclRedOp_t` code, or [`NONE`].
+    pub(crate) redop: u32,
+    /// The root rank, or [`NONE`].
+    pub(crate) root: u32,
+}
+
+impl CollDesc {
+    /// The three words of a ring entry after its tag.
+    pub(crate) fn encode(self) -> [u64; 3] {
+        [
+            self.count,
+            (self.kind as u64) | (u64::from(self.dtype) << 8) | (u64::from(self.redop) << 32),
+            u64::from(self.root),
+        ]
+    }
+
+    /// `None` for words no handoff wrote.
+    pub(crate) fn decode(w: [u64; 3]) -> Option<CollDesc> {
+        Some(CollDesc {
+            kind: CollKind::from_code(w[1] & 0xff)?,
+            count: w[0],
+            dtype: ((w[1] >> 8) & 0xff_ffff) as u32,
+            redop: (w[1] >> 32) as u32,
+            root: w[2] as u32,
+        })
+    }
+
+    pub(crate) fn describe(self) -> String {
+        let mut s = format!(
+            "{} of {} elements of {}",
+            self.kind.name(),
+            self.count,
+            datatype_name(self.dtype)
+        );
+        if self.redop != NONE {
+            s += &format!(", reduction {}", redop_name(self.redop));
+        }
+        if self.root != NONE {
+            s += &format!(", root {}", self.root);
+        }
+        s
+    }
+}
+
+/// The name of an `ncclRedOp_t` code.
+pub(crate) fn redop_name(code: u32) -> &'static str {
+    match code {
+        0 => "sum",
+        1 => "prod",
+        2 => "max",
+        3 => "min",
+        4 => "avg",
+        _ => "a custom reduction",
+    }
+}
+
+/// Compares this rank's collective number `index` with a peer's.
+pub(crate) fn compare_coll(
+    me: usize,
+    peer: usize,
+    index: u64,
+    mine: CollDesc,
+    theirs: Option<CollDesc>,
+) -> Result<(), String> {
+    if Some(mine) == theirs {
+        return Ok(());
+    }
+    let n = index + 1;
+    Err(format!(
+        "rank {me}'s collective #{n} is {}, but rank {peer}'s collective #{n} is {}",
+        mine.describe(),
+        theirs.map_or_else(
+            || "not one this handoff version writes".to_string(),
+            CollDesc::describe
+        )
+    ))
+}
+
 const CARD_MAGIC: u64 = 0x4844_4f46_4643_4432; // "HDOFFCD2"
 /// Words in an encoded card.
 pub(crate) const CARD_WORDS: usize = 32;
@@ -215,6 +338,44 @@ mod tests {
     fn type_mismatch_is_caught() {
         let e = compare(0, 1, Dir::Send, 0, op(4, F32), op(4, I32)).unwrap_err();
         assert!(e.contains("f32") && e.contains("i32"), "{e}");
+    }
+
+    #[test]
+    fn collectives_round_trip_and_every_field_counts() {
+        let d = CollDesc {
+            kind: CollKind::Reduce,
+            count: 1001,
+            dtype: F32,
+            redop: 2,
+            root: 1,
+        };
+        assert_eq!(CollDesc::decode(d.encode()), Some(d));
+        assert_eq!(CollDesc::decode([0, 0, 0]), None);
+        assert_eq!(compare_coll(0, 1, 0, d, Some(d)), Ok(()));
+        let others = [
+            CollDesc {
+                kind: CollKind::AllReduce,
+                root: NONE,
+                ..d
+            },
+            CollDesc { count: 1000, ..d },
+            CollDesc { dtype: I32, ..d },
+            CollDesc { redop: 0, ..d },
+            CollDesc { root: 0, ..d },
+        ];
+        for o in others {
+            let e = compare_coll(0, 1, 4, d, Some(o)).unwrap_err();
+            assert!(
+                e.contains("rank 0's collective #5 is reduce of 1001 elements of f32, reduction max, root 1"),
+                "{e}"
+            );
+            assert!(e.contains("rank 1's collective #5 is"), "{e}");
+        }
+        assert!(
+            compare_coll(0, 1, 0, d, None)
+                .unwrap_err()
+                .contains("not one this handoff")
+        );
     }
 
     #[test]

@@ -199,6 +199,43 @@ pub struct NcclLib {
         comm: ncclComm_t,
         rank: *mut ::std::os::raw::c_int,
     ) -> ncclResult_t,
+    pub ncclReduce: unsafe extern "C" fn(
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        op: ncclRedOp_t,
+        root: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t,
+    pub ncclBroadcast: unsafe extern "C" fn(
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        root: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t,
+    pub ncclAllReduce: unsafe extern "C" fn(
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        op: ncclRedOp_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t,
+    pub ncclReduceScatter: unsafe extern "C" fn(
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        recvcount: usize,
+        datatype: ncclDataType_t,
+        op: ncclRedOp_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t,
     pub ncclAllGather: unsafe extern "C" fn(
         sendbuff: *const ::std::os::raw::c_void,
         recvbuff: *mut ::std::os::raw::c_void,
@@ -257,6 +294,10 @@ impl NcclLib {
         let ncclCommCount = __library.get(b"ncclCommCount\0").map(|sym| *sym)?;
         let ncclCommCuDevice = __library.get(b"ncclCommCuDevice\0").map(|sym| *sym)?;
         let ncclCommUserRank = __library.get(b"ncclCommUserRank\0").map(|sym| *sym)?;
+        let ncclReduce = __library.get(b"ncclReduce\0").map(|sym| *sym)?;
+        let ncclBroadcast = __library.get(b"ncclBroadcast\0").map(|sym| *sym)?;
+        let ncclAllReduce = __library.get(b"ncclAllReduce\0").map(|sym| *sym)?;
+        let ncclReduceScatter = __library.get(b"ncclReduceScatter\0").map(|sym| *sym)?;
         let ncclAllGather = __library.get(b"ncclAllGather\0").map(|sym| *sym)?;
         let ncclSend = __library.get(b"ncclSend\0").map(|sym| *sym)?;
         let ncclRecv = __library.get(b"ncclRecv\0").map(|sym| *sym)?;
@@ -278,6 +319,10 @@ impl NcclLib {
             ncclCommCount,
             ncclCommCuDevice,
             ncclCommUserRank,
+            ncclReduce,
+            ncclBroadcast,
+            ncclAllReduce,
+            ncclReduceScatter,
             ncclAllGather,
             ncclSend,
             ncclRecv,
@@ -369,6 +414,64 @@ impl NcclLib {
         rank: *mut ::std::os::raw::c_int,
     ) -> ncclResult_t {
         (self.ncclCommUserRank)(comm, rank)
+    }
+    pub unsafe fn ncclReduce(
+        &self,
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        op: ncclRedOp_t,
+        root: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t {
+        (self.ncclReduce)(sendbuff, recvbuff, count, datatype, op, root, comm, stream)
+    }
+    pub unsafe fn ncclBroadcast(
+        &self,
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        root: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t {
+        (self.ncclBroadcast)(sendbuff, recvbuff, count, datatype, root, comm, stream)
+    }
+    pub unsafe fn ncclAllReduce(
+        &self,
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        op: ncclRedOp_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t {
+        (self.ncclAllReduce)(sendbuff, recvbuff, count, datatype, op, comm, stream)
+    }
+    pub unsafe fn ncclReduceScatter(
+        &self,
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        recvcount: usize,
+        datatype: ncclDataType_t,
+        op: ncclRedOp_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t {
+        (self
+            .ncclReduceScatter)(
+            sendbuff,
+            recvbuff,
+            recvcount,
+            datatype,
+            op,
+            comm,
+            stream,
+        )
     }
     pub unsafe fn ncclAllGather(
         &self,

@@ -1,0 +1,345 @@
+//! NCCL's collectives through handoff (issue 11, first part): values checked element by element
+//! against a host computation on two GPUs, in one process and in two; in-place forms; sizes and
+//! roots refused before NCCL; verification catching a collective that differs on one rank; and
+//! a collective's input rewritten, and its output read, on other streams right after it (these
+//! fail with tracking bypassed).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Gpus, assert_all_eq};
+use handoff::kernels::{self, produced_value};
+use handoff::{
+    CommOptions, Communicator, Device, DeviceBuffer, Error, Launch, ReduceOp, Stream, UniqueId, group,
+};
+use libtest_mimic::Failed;
+
+/// Not a power of two.
+const N: usize = 1001;
+
+fn main() {
+    common::run_child_role(&[("collectives", child_collectives)]);
+    let g = Gpus::detect();
+    common::run(vec![
+        g.trial("sizes_and_roots_are_refused_before_nccl", 1, bad_arguments),
+        g.trial("every_collective_and_reduction_in_one_process", 2, in_one_process),
+        g.trial("every_collective_in_two_processes", 2, in_two_processes),
+        g.trial(
+            "a_collective_that_differs_on_one_rank_is_a_mismatch_on_both",
+            2,
+            mismatches,
+        ),
+        g.trial(
+            "hazard_collective_input_rewritten_and_output_read_on_other_streams",
+            2,
+            hazards,
+        ),
+    ]);
+}
+
+/// Rank `r`'s input: small integers, exact in f32 whatever the reduction.
+fn input(r: usize, i: usize) -> f32 {
+    ((i % 7) + r + 1) as f32
+}
+
+fn reduce_host(op: ReduceOp, world: usize, i: usize) -> f32 {
+    let vals = (0..world).map(|r| input(r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Prod => vals.product(),
+        ReduceOp::Max => vals.fold(f32::MIN, f32::max),
+        ReduceOp::Min => vals.fold(f32::MAX, f32::min),
+        ReduceOp::Avg => vals.sum::<f32>() / world as f32,
+    }
+}
+
+const OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Max,
+    ReduceOp::Min,
+    ReduceOp::Avg,
+];
+
+fn bad_arguments() -> Result<(), Failed> {
+    let dev = Device::new(0)?;
+    let comm = Communicator::init_all(std::slice::from_ref(&dev))?
+        .pop()
+        .ok_or("no communicator")?;
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::<f32>::zeros(&s, 8)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 7)?;
+    for (what, r) in [
+        (
+            "all_reduce of 8 into 7",
+            comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s),
+        ),
+        (
+            "all_gather of 8 into 7 (world 1)",
+            comm.all_gather(&x, &mut y, &s),
+        ),
+        (
+            "reduce_scatter of 8 into 7 (world 1)",
+            comm.reduce_scatter(&x, &mut y, ReduceOp::Sum, &s),
+        ),
+        ("broadcast from root 1 of 1", comm.broadcast(&mut y, 1, &s)),
+        (
+            "reduce to root 3 of 1",
+            comm.reduce(x.slice(..7)?, &mut y, ReduceOp::Max, 3, &s),
+        ),
+    ] {
+        match r {
+            Err(Error::InvalidArgument(m)) => println!("{what}: refused: {m}"),
+            other => return Err(format!("{what}: {other:?}").into()),
+        }
+    }
+    if let Some(r) = comm.broken_reason() {
+        return Err(format!("the communicator broke: {r}").into());
+    }
+    // A one-rank all-reduce in place works.
+    let mut z = DeviceBuffer::from_slice(&s, &[1.5f32; 8])?;
+    comm.all_reduce_in_place(&mut z, ReduceOp::Sum, &s)?;
+    assert_all_eq("z", &z.to_vec(&s)?, |_| 1.5)
+}
+
+/// Each rank's buffers for one round of every collective.
+struct Bufs {
+    x: DeviceBuffer<f32>,
+    y: DeviceBuffer<f32>,
+    gathered: DeviceBuffer<f32>,
+    scattered: DeviceBuffer<f32>,
+    wide: DeviceBuffer<f32>,
+}
+
+fn bufs(r: usize, world: usize, s: &Stream) -> handoff::Result<Bufs> {
+    let host: Vec<f32> = (0..N).map(|i| input(r, i)).collect();
+    let wide: Vec<f32> = (0..world * N).map(|i| input(r, i % N) + (i / N) as f32).collect();
+    Ok(Bufs {
+        x: DeviceBuffer::from_slice(s, &host)?,
+        y: DeviceBuffer::zeros(s, N)?,
+        gathered: DeviceBuffer::zeros(s, world * N)?,
+        scattered: DeviceBuffer::zeros(s, N)?,
+        wide: DeviceBuffer::from_slice(s, &wide)?,
+    })
+}
+
+/// Checks rank `r`'s results after one round: all_reduce (`op`) into y, all_gather, a sum
+/// reduce_scatter of `wide`, then an in-place sum all-reduce of x and a broadcast of it from
+/// rank 1.
+fn check(r: usize, world: usize, b: &Bufs, s: &Stream, op: ReduceOp) -> Result<(), Failed> {
+    assert_all_eq(&format!("rank {r} all_reduce {op:?}"), &b.y.to_vec(s)?, |i| {
+        reduce_host(op, world, i)
+    })?;
+    assert_all_eq(&format!("rank {r} all_gather"), &b.gathered.to_vec(s)?, |i| {
+        input(i / N, i % N)
+    })?;
+    // reduce_scatter (sum) of `wide`: block r of every rank's wide, summed.
+    assert_all_eq(
+        &format!("rank {r} reduce_scatter"),
+        &b.scattered.to_vec(s)?,
+        |i| (0..world).map(|q| input(q, i) + r as f32).sum(),
+    )?;
+    // x: the in-place all-reduce (sum), then the broadcast from rank 1 of that: unchanged.
+    assert_all_eq(&format!("rank {r} in place + broadcast"), &b.x.to_vec(s)?, |i| {
+        reduce_host(ReduceOp::Sum, world, i)
+    })
+}
+
+fn in_one_process() -> Result<(), Failed> {
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let comms = Communicator::init_all(&devs)?;
+    let ss = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
+    for op in OPS {
+        let mut bs = [bufs(0, 2, &ss[0])?, bufs(1, 2, &ss[1])?];
+        let [b0, b1] = &mut bs;
+        group(|g| {
+            for (r, b) in [(0, &mut *b0), (1, &mut *b1)] {
+                g.all_reduce(&comms[r], &b.x, &mut b.y, op, &ss[r])?;
+                g.all_gather(&comms[r], &b.x, &mut b.gathered, &ss[r])?;
+                g.reduce_scatter(&comms[r], &b.wide, &mut b.scattered, ReduceOp::Sum, &ss[r])?;
+            }
+            Ok(())
+        })?;
+        group(|g| {
+            for (r, b) in [(0, &mut *b0), (1, &mut *b1)] {
+                g.all_reduce_in_place(&comms[r], &mut b.x, ReduceOp::Sum, &ss[r])?;
+            }
+            Ok(())
+        })?;
+        group(|g| {
+            for (r, b) in [(0, &mut *b0), (1, &mut *b1)] {
+                g.broadcast(&comms[r], &mut b.x, 1, &ss[r])?;
+            }
+            Ok(())
+        })?;
+        for (r, b) in bs.iter().enumerate() {
+            check(r, 2, b, &ss[r], op)?;
+        }
+    }
+    // reduce to root 0 (max): only the root's output is written.
+    let mut bs = [bufs(0, 2, &ss[0])?, bufs(1, 2, &ss[1])?];
+    let [b0, b1] = &mut bs;
+    group(|g| {
+        g.reduce(&comms[0], &b0.x, &mut b0.y, ReduceOp::Max, 0, &ss[0])?;
+        g.reduce(&comms[1], &b1.x, &mut b1.y, ReduceOp::Max, 0, &ss[1])
+    })?;
+    assert_all_eq("root's reduce", &b0.y.to_vec(&ss[0])?, |i| {
+        reduce_host(ReduceOp::Max, 2, i)
+    })?;
+    assert_all_eq("non-root's output", &b1.y.to_vec(&ss[1])?, |_| 0.0)
+}
+
+fn in_two_processes() -> Result<(), Failed> {
+    let mut failed = Vec::new();
+    for (rank, mut c) in common::spawn_ranks("collectives", false)?.into_iter().enumerate() {
+        if !c.wait()?.success() {
+            failed.push(rank);
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("ranks {failed:?} failed").into())
+    }
+}
+
+fn child_collectives() -> Result<(), Failed> {
+    let launch = Launch::from_env()?.ok_or("no launcher variables")?;
+    let comm = launch.communicator(CommOptions::default().with_timeout(Duration::from_secs(60)))?;
+    let (r, world) = (comm.rank(), comm.world_size());
+    let s = Stream::new(comm.device())?;
+    for op in OPS {
+        let mut b = bufs(r, world, &s)?;
+        comm.all_reduce(&b.x, &mut b.y, op, &s)?;
+        comm.all_gather(&b.x, &mut b.gathered, &s)?;
+        comm.reduce_scatter(&b.wide, &mut b.scattered, ReduceOp::Sum, &s)?;
+        comm.all_reduce_in_place(&mut b.x, ReduceOp::Sum, &s)?;
+        comm.broadcast(&mut b.x, 1, &s)?;
+        check(r, world, &b, &s, op)?;
+    }
+    let mut b = bufs(r, world, &s)?;
+    comm.reduce(&b.x, &mut b.y, ReduceOp::Min, 1, &s)?;
+    if r == 1 {
+        assert_all_eq("root's reduce", &b.y.to_vec(&s)?, |i| {
+            reduce_host(ReduceOp::Min, world, i)
+        })?;
+    }
+    s.synchronize()?;
+    comm.finalize()?;
+    Ok(())
+}
+
+/// Two ranks on two threads (`Communicator::new`): each case posts a collective that differs
+/// on rank 1; both ranks get `Error::Mismatch`, nothing transferred.
+fn mismatches() -> Result<(), Failed> {
+    #[derive(Clone, Copy, Debug)]
+    enum Case {
+        Op,
+        Count,
+        Root,
+        Kind,
+    }
+    for case in [Case::Op, Case::Count, Case::Root, Case::Kind] {
+        let id = UniqueId::new()?;
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let id = id.clone();
+                std::thread::spawn(move || -> Result<String, String> {
+                    let run = || -> handoff::Result<handoff::Result<()>> {
+                        let dev = Device::new(rank)?;
+                        let opts = CommOptions::default().with_timeout(Duration::from_secs(20));
+                        let comm = Communicator::with_options(&dev, 2, rank, &id, opts)?;
+                        let s = Stream::new(&dev)?;
+                        let x = DeviceBuffer::from_slice(&s, &[1.0f32; 8])?;
+                        let mut y = DeviceBuffer::<f32>::zeros(&s, 8)?;
+                        let odd = rank == 1;
+                        Ok(match case {
+                            Case::Op => comm.all_reduce(
+                                &x,
+                                &mut y,
+                                if odd { ReduceOp::Max } else { ReduceOp::Sum },
+                                &s,
+                            ),
+                            Case::Count => comm.all_reduce(
+                                x.slice(..if odd { 7 } else { 8 })?,
+                                y.slice_mut(..if odd { 7 } else { 8 })?,
+                                ReduceOp::Sum,
+                                &s,
+                            ),
+                            Case::Root => comm.broadcast(&mut y, if odd { 0 } else { 1 }, &s),
+                            Case::Kind => {
+                                if odd {
+                                    comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
+                                } else {
+                                    comm.broadcast(&mut y, 0, &s)
+                                }
+                            }
+                        })
+                    };
+                    match run() {
+                        Ok(Err(Error::Mismatch { detail })) => Ok(detail),
+                        other => Err(format!("rank {rank}: expected a mismatch, got {other:?}")),
+                    }
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            let detail = h.join().map_err(|_| "panicked")??;
+            println!("{case:?}, rank {rank}: {detail}");
+        }
+    }
+    Ok(())
+}
+
+/// An all-reduce queued behind 300 ms of GPU work on its stream; right after, another stream
+/// rewrites its input and another reads its output on the host. With tracking, the rewrite
+/// waits for the all-reduce's read and the host read for its write.
+fn hazards() -> Result<(), Failed> {
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let comms = Communicator::init_all(&devs)?;
+    let ss = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
+    let others = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
+    let mut xs = [
+        DeviceBuffer::<f32>::zeros(&ss[0], N)?,
+        DeviceBuffer::<f32>::zeros(&ss[1], N)?,
+    ];
+    let mut ys = [
+        DeviceBuffer::<f32>::zeros(&ss[0], N)?,
+        DeviceBuffer::<f32>::zeros(&ss[1], N)?,
+    ];
+    // Warm the pair up (connections, NCCL's kernels loaded).
+    {
+        let [x0, x1] = &mut xs;
+        group(|g| {
+            g.all_reduce_in_place(&comms[0], &mut *x0, ReduceOp::Sum, &ss[0])?;
+            g.all_reduce_in_place(&comms[1], &mut *x1, ReduceOp::Sum, &ss[1])
+        })?;
+    }
+    for (r, x) in xs.iter_mut().enumerate() {
+        kernels::produce(&ss[r], x, 1)?;
+    }
+    for s in &ss {
+        s.synchronize()?;
+        kernels::busy(s, Duration::from_millis(300))?;
+    }
+    {
+        let [x0, x1] = &xs;
+        let [y0, y1] = &mut ys;
+        group(|g| {
+            g.all_reduce(&comms[0], x0, &mut *y0, ReduceOp::Sum, &ss[0])?;
+            g.all_reduce(&comms[1], x1, &mut *y1, ReduceOp::Sum, &ss[1])
+        })?;
+    }
+    for (r, x) in xs.iter_mut().enumerate() {
+        kernels::produce(&others[r], x, 50)?; // must wait for the all-reduce's read
+    }
+    for (r, y) in ys.iter().enumerate() {
+        assert_all_eq(
+            &format!("rank {r}'s output read on another stream"),
+            &y.to_vec(&others[r])?,
+            |i| 2.0 * produced_value(i, 1),
+        )?;
+    }
+    Ok(())
+}
