@@ -52,8 +52,8 @@
 //!   rules (a plain data structure).
 //! - The CUDA side: [`Device`], [`Stream`], [`Event`], [`DeviceBuffer`] and its [`view`]s,
 //!   [`module`] (users' own kernels, launched with tracking; [`Stream::raw_use`] for raw work),
-//!   [`kernels`]; the NCCL side, [`nccl`]: [`Communicator`], [`group`], verification, the
-//!   watchdog; [`bootstrap`].
+//!   [`kernels`]; the NCCL side, [`nccl`]: [`Communicator`], [`group`], collectives,
+//!   verification, the watchdog; [`bootstrap`].
 //!
 //! # Threads
 //! [`Stream`], [`Event`], [`Device`] and [`DeviceBuffer`] are `Send` and `Sync`: the CUDA
@@ -100,8 +100,9 @@
 //!   and checks its peer's counterpart (count and type, in the order issued) before calling
 //!   NCCL; a disagreement is [`Error::Mismatch`] on both ranks with nothing transferred. Ranks
 //!   settle at creation that all verify or none does, so a verifying rank never talks to one
-//!   that does not. Opting out is [`CommOptions::unverified`], `unsafe`: the caller promises
-//!   matching operations. Sends to oneself, and between ranks of one
+//!   that does not. Collectives are checked the same way: every rank posts the same
+//!   operations, counts, types, reductions and roots in the same order. Opting out is
+//!   [`CommOptions::unverified`], `unsafe`: the caller promises matching operations. Sends to oneself, and between ranks of one
 //!   [`Communicator::init_all`], are matched within their group. Tests: the verification's CPU
 //!   tests (threads and two processes' mailbox files); `tests/soundness.rs` (a short receive in
 //!   one process and across threads; ranks that disagree on verification);
