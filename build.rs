@@ -117,6 +117,9 @@ const NCCL_FUNCTIONS: &[&str] = &[
     "ncclBroadcast",
     "ncclReduce",
     "ncclReduceScatter",
+    "ncclAlltoAll",
+    "ncclGather",
+    "ncclScatter",
 ];
 
 /// What to do with the committed copies, besides using them where generating is not possible.

@@ -26,6 +26,11 @@ fn main() {
         g.trial("every_collective_and_reduction_in_one_process", 2, in_one_process),
         g.trial("every_collective_in_two_processes", 2, in_two_processes),
         g.trial(
+            "every_collective_in_two_processes_over_the_network_transport",
+            2,
+            over_the_network,
+        ),
+        g.trial(
             "a_collective_that_differs_on_one_rank_is_a_mismatch_on_both",
             2,
             mismatches,
@@ -146,6 +151,57 @@ fn check(r: usize, world: usize, b: &Bufs, s: &Stream, op: ReduceOp) -> Result<(
     })
 }
 
+/// Elements per block of all_to_all, gather (to rank 1) and scatter (from rank 0).
+const M: usize = 333;
+
+/// Element `i` of block `b` of sender `from`'s buffer.
+fn piece(from: usize, b: usize, i: usize) -> f32 {
+    (from * 100 + b * 10 + i % 7) as f32
+}
+
+struct Spread {
+    a2a_in: DeviceBuffer<f32>,
+    a2a_out: DeviceBuffer<f32>,
+    mine: DeviceBuffer<f32>,
+    gathered: DeviceBuffer<f32>,
+    scatter_in: DeviceBuffer<f32>,
+    scattered: DeviceBuffer<f32>,
+}
+
+fn spread(r: usize, world: usize, s: &Stream) -> handoff::Result<Spread> {
+    let a2a: Vec<f32> = (0..world * M).map(|k| piece(r, k / M, k % M)).collect();
+    let mine: Vec<f32> = (0..M).map(|i| piece(r, 0, i)).collect();
+    let root0: Vec<f32> = (0..world * M).map(|k| piece(9, k / M, k % M)).collect();
+    Ok(Spread {
+        a2a_in: DeviceBuffer::from_slice(s, &a2a)?,
+        a2a_out: DeviceBuffer::zeros(s, world * M)?,
+        mine: DeviceBuffer::from_slice(s, &mine)?,
+        // Only the root (rank 1) needs the whole output; the others pass none.
+        gathered: DeviceBuffer::zeros(s, if r == 1 { world * M } else { 0 })?,
+        scatter_in: if r == 0 {
+            DeviceBuffer::from_slice(s, &root0)?
+        } else {
+            DeviceBuffer::zeros(s, 0)?
+        },
+        scattered: DeviceBuffer::zeros(s, M)?,
+    })
+}
+
+fn check_spread(r: usize, b: &Spread, s: &Stream) -> Result<(), Failed> {
+    // Block j of my output is rank j's block r.
+    assert_all_eq(&format!("rank {r} all_to_all"), &b.a2a_out.to_vec(s)?, |k| {
+        piece(k / M, r, k % M)
+    })?;
+    if r == 1 {
+        assert_all_eq("root's gather", &b.gathered.to_vec(s)?, |k| {
+            piece(k / M, 0, k % M)
+        })?;
+    }
+    assert_all_eq(&format!("rank {r} scatter"), &b.scattered.to_vec(s)?, |i| {
+        piece(9, r, i)
+    })
+}
+
 fn in_one_process() -> Result<(), Failed> {
     let devs = [Device::new(0)?, Device::new(1)?];
     let comms = Communicator::init_all(&devs)?;
@@ -177,6 +233,21 @@ fn in_one_process() -> Result<(), Failed> {
             check(r, 2, b, &ss[r], op)?;
         }
     }
+    let mut sp = [spread(0, 2, &ss[0])?, spread(1, 2, &ss[1])?];
+    {
+        let [p0, p1] = &mut sp;
+        group(|g| {
+            for (r, p) in [(0, &mut *p0), (1, &mut *p1)] {
+                g.all_to_all(&comms[r], &p.a2a_in, &mut p.a2a_out, &ss[r])?;
+                g.gather(&comms[r], &p.mine, &mut p.gathered, 1, &ss[r])?;
+                g.scatter(&comms[r], &p.scatter_in, &mut p.scattered, 0, &ss[r])?;
+            }
+            Ok(())
+        })?;
+    }
+    for (r, p) in sp.iter().enumerate() {
+        check_spread(r, p, &ss[r])?;
+    }
     // reduce to root 0 (max): only the root's output is written.
     let mut bs = [bufs(0, 2, &ss[0])?, bufs(1, 2, &ss[1])?];
     let [b0, b1] = &mut bs;
@@ -204,6 +275,56 @@ fn in_two_processes() -> Result<(), Failed> {
     }
 }
 
+/// The path a job across hosts takes: NCCL's network transport (sockets, on the loopback
+/// interface), with its peer-to-peer and shared-memory transports off; the unique id through
+/// the bootstrap. NCCL's own log must show the socket transport.
+fn over_the_network() -> Result<(), Failed> {
+    let kids = handoff::bootstrap::spawn_local(2, |_, cmd| {
+        cmd.env(common::CHILD_VAR, "collectives")
+            .env("NCCL_P2P_DISABLE", "1")
+            .env("NCCL_SHM_DISABLE", "1")
+            .env("NCCL_NET", "Socket")
+            .env("NCCL_IB_DISABLE", "1")
+            .env("NCCL_SOCKET_IFNAME", "lo")
+            .env("NCCL_DEBUG", "INFO")
+            .env("NCCL_DEBUG_SUBSYS", "INIT,NET")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+    })?;
+    let mut failed = Vec::new();
+    let mut log = String::new();
+    for (rank, k) in kids.into_iter().enumerate() {
+        let out = k.wait_with_output()?;
+        log += &String::from_utf8_lossy(&out.stdout);
+        log += &String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            failed.push(rank);
+        }
+    }
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("NET/Socket") || l.contains("via NET"))
+        .collect();
+    println!(
+        "{} lines of NCCL's log name the socket transport, e.g.:",
+        lines.len()
+    );
+    for l in lines.iter().take(3) {
+        println!("  {l}");
+    }
+    if !failed.is_empty() {
+        return Err(format!(
+            "ranks {failed:?} failed:\n{}",
+            log.lines().rev().take(20).collect::<Vec<_>>().join("\n")
+        )
+        .into());
+    }
+    if lines.is_empty() {
+        return Err("NCCL's log does not show the socket transport".into());
+    }
+    Ok(())
+}
+
 fn child_collectives() -> Result<(), Failed> {
     let launch = Launch::from_env()?.ok_or("no launcher variables")?;
     let comm = launch.communicator(CommOptions::default().with_timeout(Duration::from_secs(60)))?;
@@ -218,6 +339,11 @@ fn child_collectives() -> Result<(), Failed> {
         comm.broadcast(&mut b.x, 1, &s)?;
         check(r, world, &b, &s, op)?;
     }
+    let mut p = spread(r, world, &s)?;
+    comm.all_to_all(&p.a2a_in, &mut p.a2a_out, &s)?;
+    comm.gather(&p.mine, &mut p.gathered, 1, &s)?;
+    comm.scatter(&p.scatter_in, &mut p.scattered, 0, &s)?;
+    check_spread(r, &p, &s)?;
     let mut b = bufs(r, world, &s)?;
     comm.reduce(&b.x, &mut b.y, ReduceOp::Min, 1, &s)?;
     if r == 1 {

@@ -42,11 +42,19 @@ impl ReduceOp {
 }
 
 /// The size rule of each collective, checked before anything else; `Ok(count)` is NCCL's count.
-pub(crate) fn count_for(kind: CollKind, world: usize, send: Option<usize>, recv: usize) -> Result<usize> {
-    let bad = |rule: String| Err(Error::InvalidArgument(format!("{}: {rule}", kind_name(kind))));
+/// `root_is_me`: this rank is the collective's root (gather, scatter).
+pub(crate) fn count_for(
+    kind: CollKind,
+    world: usize,
+    send: Option<usize>,
+    recv: usize,
+    root_is_me: bool,
+) -> Result<usize> {
+    let bad = |rule: String| Err(Error::InvalidArgument(format!("{}: {rule}", kind.name())));
+    let times = |n: usize| n.checked_mul(world);
     match (kind, send) {
         (CollKind::AllGather, Some(s)) => {
-            if Some(recv) != s.checked_mul(world) {
+            if Some(recv) != times(s) {
                 return bad(format!(
                     "the output has {recv} elements but must hold every rank's input: {world} × {s}"
                 ));
@@ -54,25 +62,52 @@ pub(crate) fn count_for(kind: CollKind, world: usize, send: Option<usize>, recv:
             Ok(s)
         }
         (CollKind::ReduceScatter, Some(s)) => {
-            if Some(s) != recv.checked_mul(world) {
+            if Some(s) != times(recv) {
                 return bad(format!(
                     "the input has {s} elements but must hold one output per rank: {world} × {recv}"
                 ));
             }
             Ok(recv)
         }
+        (CollKind::AllToAll, Some(s)) => {
+            if s != recv || s % world != 0 {
+                return bad(format!(
+                    "the input ({s}) and the output ({recv}) must have the same length, a multiple of \
+                     the {world} ranks"
+                ));
+            }
+            Ok(s / world)
+        }
+        // The root's output holds every rank's input; elsewhere the output is unused, and may be
+        // empty.
+        (CollKind::Gather, Some(s)) => {
+            if Some(recv) != times(s) && (root_is_me || recv != 0) {
+                return bad(format!(
+                    "the output has {recv} elements but must hold every rank's input: {world} × {s}{}",
+                    if root_is_me {
+                        ""
+                    } else {
+                        " (or none, off the root)"
+                    }
+                ));
+            }
+            Ok(s)
+        }
+        (CollKind::Scatter, Some(s)) => {
+            if Some(s) != times(recv) && (root_is_me || s != 0) {
+                return bad(format!(
+                    "the input has {s} elements but must hold one output per rank: {world} × {recv}{}",
+                    if root_is_me {
+                        ""
+                    } else {
+                        " (or none, off the root)"
+                    }
+                ));
+            }
+            Ok(recv)
+        }
         (_, Some(s)) if s != recv => bad(format!("the input has {s} elements but the output {recv}")),
         _ => Ok(recv),
-    }
-}
-
-fn kind_name(kind: CollKind) -> &'static str {
-    match kind {
-        CollKind::AllReduce => "all_reduce",
-        CollKind::Broadcast => "broadcast",
-        CollKind::Reduce => "reduce",
-        CollKind::AllGather => "all_gather",
-        CollKind::ReduceScatter => "reduce_scatter",
     }
 }
 
@@ -89,16 +124,23 @@ impl<'a> Group<'a> {
         stream: &'a Stream,
     ) -> Result<()> {
         usable(&comm.shared.lock())?;
-        let count = count_for(kind, comm.world_size(), send.map(|s| s.len()), recv.len())?;
         if let Some(r) = root
             && r >= comm.world_size()
         {
             return Err(Error::InvalidArgument(format!(
                 "{}: root {r} is out of range for a communicator of {} ranks",
-                kind_name(kind),
+                kind.name(),
                 comm.world_size()
             )));
         }
+        let root_is_me = root == Some(comm.rank());
+        let count = count_for(
+            kind,
+            comm.world_size(),
+            send.map(|s| s.len()),
+            recv.len(),
+            root_is_me,
+        )?;
         stream.check_device(comm.device(), "the communicator")?;
         if let Some(s) = &send {
             stream.check_tracked(s.tracked(), Access::Read)?;
@@ -265,6 +307,125 @@ impl<'a> Group<'a> {
     }
 }
 
+impl<'a> Group<'a> {
+    /// Adds an all-to-all: block `j` of every rank's `send` (`world` equal blocks) goes to
+    /// block `i` of rank `j`'s `recv`, `i` being the sender.
+    ///
+    /// # Errors
+    /// As [`Group::all_reduce`], and for lengths that are not one multiple of the world.
+    pub fn all_to_all<T: NcclType>(
+        &mut self,
+        comm: &'a Communicator,
+        send: impl Into<View<'a, T>>,
+        recv: impl Into<ViewMut<'a, T>>,
+        stream: &'a Stream,
+    ) -> Result<()> {
+        self.collective(
+            comm,
+            CollKind::AllToAll,
+            Some(send.into()),
+            recv.into(),
+            None,
+            None,
+            stream,
+        )
+    }
+
+    /// Adds a gather: every rank's `send` into block `i` (the sender's rank) of `root`'s `recv`
+    /// (world × the input's length). Other ranks' `recv` is unused and may be empty.
+    ///
+    /// # Errors
+    /// As [`Group::broadcast`], and for a root's output that is not world × the input.
+    pub fn gather<T: NcclType>(
+        &mut self,
+        comm: &'a Communicator,
+        send: impl Into<View<'a, T>>,
+        recv: impl Into<ViewMut<'a, T>>,
+        root: usize,
+        stream: &'a Stream,
+    ) -> Result<()> {
+        self.collective(
+            comm,
+            CollKind::Gather,
+            Some(send.into()),
+            recv.into(),
+            None,
+            Some(root),
+            stream,
+        )
+    }
+
+    /// Adds a scatter: block `i` of `root`'s `send` (world × the output's length) into rank
+    /// `i`'s `recv`. Other ranks' `send` is unused and may be empty.
+    ///
+    /// # Errors
+    /// As [`Group::broadcast`], and for a root's input that is not world × the output.
+    pub fn scatter<T: NcclType>(
+        &mut self,
+        comm: &'a Communicator,
+        send: impl Into<View<'a, T>>,
+        recv: impl Into<ViewMut<'a, T>>,
+        root: usize,
+        stream: &'a Stream,
+    ) -> Result<()> {
+        self.collective(
+            comm,
+            CollKind::Scatter,
+            Some(send.into()),
+            recv.into(),
+            None,
+            Some(root),
+            stream,
+        )
+    }
+}
+
+impl Communicator {
+    /// An all-to-all; see [`Group::all_to_all`].
+    ///
+    /// # Errors
+    /// As [`Group::all_to_all`]; as [`Communicator::send`] for verification and NCCL.
+    pub fn all_to_all<'b, T: NcclType>(
+        &self,
+        send: impl Into<View<'b, T>>,
+        recv: impl Into<ViewMut<'b, T>>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (send, recv) = (send.into(), recv.into());
+        group(|g| g.all_to_all(self, send, recv, stream))
+    }
+
+    /// A gather; see [`Group::gather`].
+    ///
+    /// # Errors
+    /// As [`Group::gather`]; as [`Communicator::send`] for verification and NCCL.
+    pub fn gather<'b, T: NcclType>(
+        &self,
+        send: impl Into<View<'b, T>>,
+        recv: impl Into<ViewMut<'b, T>>,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (send, recv) = (send.into(), recv.into());
+        group(|g| g.gather(self, send, recv, root, stream))
+    }
+
+    /// A scatter; see [`Group::scatter`].
+    ///
+    /// # Errors
+    /// As [`Group::scatter`]; as [`Communicator::send`] for verification and NCCL.
+    pub fn scatter<'b, T: NcclType>(
+        &self,
+        send: impl Into<View<'b, T>>,
+        recv: impl Into<ViewMut<'b, T>>,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (send, recv) = (send.into(), recv.into());
+        group(|g| g.scatter(self, send, recv, root, stream))
+    }
+}
+
 impl Communicator {
     /// An all-reduce on its own; see [`Group::all_reduce`]. Ranks of one `init_all` post their
     /// collectives together in a [`group`].
@@ -362,11 +523,14 @@ mod tests {
 
     #[test]
     fn size_rules_are_checked_before_nccl() {
-        assert_eq!(count_for(CollKind::AllReduce, 2, Some(7), 7).unwrap(), 7);
-        assert_eq!(count_for(CollKind::AllReduce, 2, None, 7).unwrap(), 7);
-        assert_eq!(count_for(CollKind::AllGather, 3, Some(5), 15).unwrap(), 5);
-        assert_eq!(count_for(CollKind::ReduceScatter, 3, Some(15), 5).unwrap(), 5);
-        assert_eq!(count_for(CollKind::Broadcast, 4, None, 9).unwrap(), 9);
+        assert_eq!(count_for(CollKind::AllReduce, 2, Some(7), 7, false).unwrap(), 7);
+        assert_eq!(count_for(CollKind::AllReduce, 2, None, 7, false).unwrap(), 7);
+        assert_eq!(count_for(CollKind::AllGather, 3, Some(5), 15, false).unwrap(), 5);
+        assert_eq!(
+            count_for(CollKind::ReduceScatter, 3, Some(15), 5, false).unwrap(),
+            5
+        );
+        assert_eq!(count_for(CollKind::Broadcast, 4, None, 9, true).unwrap(), 9);
         for (kind, send, recv, want) in [
             (
                 CollKind::AllReduce,
@@ -383,13 +547,30 @@ mod tests {
             (CollKind::AllGather, Some(5), 14, "3 × 5"),
             (CollKind::ReduceScatter, Some(14), 5, "3 × 5"),
             (CollKind::AllGather, Some(usize::MAX), 3, "3 ×"),
+            (CollKind::AllToAll, Some(9), 6, "same length"),
+            (CollKind::AllToAll, Some(8), 8, "multiple of the 3 ranks"),
+            (CollKind::Gather, Some(4), 0, "3 × 4"),
+            (CollKind::Scatter, Some(0), 4, "3 × 4"),
         ] {
-            let e = count_for(kind, 3, send, recv).unwrap_err();
+            let e = count_for(kind, 3, send, recv, true).unwrap_err();
             assert!(
                 matches!(&e, Error::InvalidArgument(m) if m.contains(want)),
                 "{kind:?}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn gather_and_scatter_need_the_whole_buffer_only_on_the_root() {
+        assert_eq!(count_for(CollKind::AllToAll, 3, Some(9), 9, false).unwrap(), 3);
+        assert_eq!(count_for(CollKind::Gather, 3, Some(4), 12, true).unwrap(), 4);
+        assert_eq!(count_for(CollKind::Gather, 3, Some(4), 0, false).unwrap(), 4);
+        assert_eq!(count_for(CollKind::Scatter, 3, Some(12), 4, true).unwrap(), 4);
+        assert_eq!(count_for(CollKind::Scatter, 3, Some(0), 4, false).unwrap(), 4);
+        let e = count_for(CollKind::Gather, 3, Some(4), 5, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("or none, off the root"), "{e}");
     }
 
     #[test]

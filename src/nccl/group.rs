@@ -63,6 +63,9 @@ impl CollOp<'_> {
                 CollKind::Reduce => nc::reduce(send, recv, count, dtype, op, root, comm, s),
                 CollKind::AllGather => nc::all_gather(send, recv, count, dtype, comm, s),
                 CollKind::ReduceScatter => nc::reduce_scatter(send, recv, count, dtype, op, comm, s),
+                CollKind::AllToAll => nc::all_to_all(send, recv, count, dtype, comm, s),
+                CollKind::Gather => nc::gather(send, recv, count, dtype, root, comm, s),
+                CollKind::Scatter => nc::scatter(send, recv, count, dtype, root, comm, s),
             }
         }
     }
@@ -74,6 +77,9 @@ impl CollOp<'_> {
             CollKind::Reduce => "ncclReduce",
             CollKind::AllGather => "ncclAllGather",
             CollKind::ReduceScatter => "ncclReduceScatter",
+            CollKind::AllToAll => "ncclAlltoAll",
+            CollKind::Gather => "ncclGather",
+            CollKind::Scatter => "ncclScatter",
         }
     }
 }

@@ -403,6 +403,58 @@ pub unsafe fn reduce_scatter(
     Ok(unsafe { lib()?.ncclReduceScatter(send, recv, recv_count, dtype, op, comm, stream) })
 }
 
+/// `ncclAlltoAll`: block `j` (`count` elements) of every rank's `send` into block `i` of rank
+/// `j`'s `recv`, `i` being the sender.
+///
+/// # Safety
+/// As [`all_reduce`], with `send` and `recv` each holding `count × world` elements.
+pub unsafe fn all_to_all(
+    send: *const std::ffi::c_void,
+    recv: *mut std::ffi::c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> Result<ncclResult_t> {
+    // SAFETY: the caller vouches for every argument.
+    Ok(unsafe { lib()?.ncclAlltoAll(send, recv, count, dtype, comm, stream) })
+}
+
+/// `ncclGather`: every rank's `send` (`count` elements) into block `i` of `root`'s `recv`.
+///
+/// # Safety
+/// As [`broadcast`], with `recv` holding `count × world` elements on `root` (unused elsewhere).
+pub unsafe fn gather(
+    send: *const std::ffi::c_void,
+    recv: *mut std::ffi::c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    root: i32,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> Result<ncclResult_t> {
+    // SAFETY: the caller vouches for every argument.
+    Ok(unsafe { lib()?.ncclGather(send, recv, count, dtype, root, comm, stream) })
+}
+
+/// `ncclScatter`: block `i` of `root`'s `send` (`count × world` elements there, unused
+/// elsewhere) into rank `i`'s `recv` (`count` elements).
+///
+/// # Safety
+/// As [`broadcast`].
+pub unsafe fn scatter(
+    send: *const std::ffi::c_void,
+    recv: *mut std::ffi::c_void,
+    count: usize,
+    dtype: ncclDataType_t,
+    root: i32,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> Result<ncclResult_t> {
+    // SAFETY: the caller vouches for every argument.
+    Ok(unsafe { lib()?.ncclScatter(send, recv, count, dtype, root, comm, stream) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

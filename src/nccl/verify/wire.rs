@@ -80,16 +80,22 @@ pub(crate) enum CollKind {
     Reduce = 3,
     AllGather = 4,
     ReduceScatter = 5,
+    AllToAll = 6,
+    Gather = 7,
+    Scatter = 8,
 }
 
 impl CollKind {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             CollKind::AllReduce => "all_reduce",
             CollKind::Broadcast => "broadcast",
             CollKind::Reduce => "reduce",
             CollKind::AllGather => "all_gather",
             CollKind::ReduceScatter => "reduce_scatter",
+            CollKind::AllToAll => "all_to_all",
+            CollKind::Gather => "gather",
+            CollKind::Scatter => "scatter",
         }
     }
 
@@ -100,6 +106,9 @@ impl CollKind {
             3 => CollKind::Reduce,
             4 => CollKind::AllGather,
             5 => CollKind::ReduceScatter,
+            6 => CollKind::AllToAll,
+            7 => CollKind::Gather,
+            8 => CollKind::Scatter,
             _ => return None,
         })
     }

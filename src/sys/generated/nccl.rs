@@ -244,6 +244,32 @@ pub struct NcclLib {
         comm: ncclComm_t,
         stream: cudaStream_t,
     ) -> ncclResult_t,
+    pub ncclAlltoAll: unsafe extern "C" fn(
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t,
+    pub ncclGather: unsafe extern "C" fn(
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        root: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t,
+    pub ncclScatter: unsafe extern "C" fn(
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        root: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t,
     pub ncclSend: unsafe extern "C" fn(
         sendbuff: *const ::std::os::raw::c_void,
         count: usize,
@@ -299,6 +325,9 @@ impl NcclLib {
         let ncclAllReduce = __library.get(b"ncclAllReduce\0").map(|sym| *sym)?;
         let ncclReduceScatter = __library.get(b"ncclReduceScatter\0").map(|sym| *sym)?;
         let ncclAllGather = __library.get(b"ncclAllGather\0").map(|sym| *sym)?;
+        let ncclAlltoAll = __library.get(b"ncclAlltoAll\0").map(|sym| *sym)?;
+        let ncclGather = __library.get(b"ncclGather\0").map(|sym| *sym)?;
+        let ncclScatter = __library.get(b"ncclScatter\0").map(|sym| *sym)?;
         let ncclSend = __library.get(b"ncclSend\0").map(|sym| *sym)?;
         let ncclRecv = __library.get(b"ncclRecv\0").map(|sym| *sym)?;
         let ncclGroupStart = __library.get(b"ncclGroupStart\0").map(|sym| *sym)?;
@@ -324,6 +353,9 @@ impl NcclLib {
             ncclAllReduce,
             ncclReduceScatter,
             ncclAllGather,
+            ncclAlltoAll,
+            ncclGather,
+            ncclScatter,
             ncclSend,
             ncclRecv,
             ncclGroupStart,
@@ -483,6 +515,41 @@ impl NcclLib {
         stream: cudaStream_t,
     ) -> ncclResult_t {
         (self.ncclAllGather)(sendbuff, recvbuff, sendcount, datatype, comm, stream)
+    }
+    pub unsafe fn ncclAlltoAll(
+        &self,
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t {
+        (self.ncclAlltoAll)(sendbuff, recvbuff, count, datatype, comm, stream)
+    }
+    pub unsafe fn ncclGather(
+        &self,
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        root: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t {
+        (self.ncclGather)(sendbuff, recvbuff, count, datatype, root, comm, stream)
+    }
+    pub unsafe fn ncclScatter(
+        &self,
+        sendbuff: *const ::std::os::raw::c_void,
+        recvbuff: *mut ::std::os::raw::c_void,
+        count: usize,
+        datatype: ncclDataType_t,
+        root: ::std::os::raw::c_int,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> ncclResult_t {
+        (self.ncclScatter)(sendbuff, recvbuff, count, datatype, root, comm, stream)
     }
     pub unsafe fn ncclSend(
         &self,
