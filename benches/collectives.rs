@@ -1,0 +1,300 @@
+//! Collectives benchmark: handoff's verified and unverified collectives against the raw NCCL
+//! calls, in the same process, on the same buffers and streams, interleaved; two ranks in one
+//! process (GPUs 0 and 1).
+//!
+//! `cargo bench --bench collectives -- --op all_reduce` (`--help` for the options)
+//!
+//! For each size, after `--warmup` untimed iterations, `--repeats` timed runs of `--iters`
+//! iterations of each way, rotating verified, unverified and raw; each run is timed with CUDA
+//! events (both ranks' streams joined), and the median run is reported. The table follows
+//! nccl-tests (size, count, type, time, algbw, busbw, with nccl-tests' bus bandwidth factors
+//! from its PERFORMANCE.md); rows go to `--csv`. Results are checked once per size.
+
+use std::fmt::Write as _;
+
+use clap::{Parser, ValueEnum};
+use handoff::result::nccl as raw;
+use handoff::sys::nccl::{ncclDataType_t, ncclRedOp_t};
+use handoff::{
+    CommOptions, Communicator, Device, DeviceBuffer, Event, Group, NcclType, ReduceOp, Stream, group,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Op {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    AllToAll,
+}
+
+impl Op {
+    /// nccl-tests' bus bandwidth factor for `n` ranks.
+    fn bus_factor(self, n: f64) -> f64 {
+        match self {
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            Op::AllGather | Op::ReduceScatter | Op::AllToAll => (n - 1.0) / n,
+            Op::Broadcast => 1.0,
+        }
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "handoff's collectives against raw NCCL, two GPUs in one process")]
+struct Opts {
+    /// The collectives to time.
+    #[arg(long, value_enum, num_args = 1.., default_values_t = [Op::AllReduce, Op::AllGather, Op::ReduceScatter, Op::Broadcast, Op::AllToAll])]
+    op: Vec<Op>,
+    /// Smallest size in bytes (nccl-tests' size: the larger of input and output per rank).
+    #[arg(long, default_value_t = 8)]
+    min_bytes: usize,
+    /// Largest size in bytes.
+    #[arg(long, default_value_t = 1 << 30)]
+    max_bytes: usize,
+    /// Step between sizes.
+    #[arg(long, default_value_t = 4)]
+    factor: usize,
+    #[arg(long, default_value_t = 50)]
+    iters: usize,
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Timed runs per way and size (the median is reported).
+    #[arg(long, default_value_t = 7)]
+    repeats: usize,
+    /// CSV file prefix: one file per operation, PREFIX-OP.csv.
+    #[arg(long, default_value = "collectives")]
+    csv: String,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    Verified = 0,
+    Unverified = 1,
+    Raw = 2,
+}
+const WAYS: [Way; 3] = [Way::Verified, Way::Unverified, Way::Raw];
+const WORLD: usize = 2;
+
+struct Rank {
+    stream: Stream,
+    input: DeviceBuffer<f32>,
+    output: DeviceBuffer<f32>,
+}
+
+/// Input and output lengths for `count` (NCCL's count) of `op`.
+fn lengths(op: Op, count: usize) -> (usize, usize) {
+    match op {
+        Op::AllReduce | Op::Broadcast => (count, count),
+        Op::AllGather => (count, WORLD * count),
+        Op::ReduceScatter => (WORLD * count, count),
+        Op::AllToAll => (WORLD * count, WORLD * count),
+    }
+}
+
+fn post_safe<'a>(
+    g: &mut Group<'a>,
+    op: Op,
+    comm: &'a Communicator,
+    r: &'a mut Rank,
+    count: usize,
+) -> handoff::Result<()> {
+    let (ilen, olen) = lengths(op, count);
+    let (input, output, s) = (r.input.slice(..ilen)?, r.output.slice_mut(..olen)?, &r.stream);
+    match op {
+        Op::AllReduce => g.all_reduce(comm, input, output, ReduceOp::Sum, s),
+        Op::AllGather => g.all_gather(comm, input, output, s),
+        Op::ReduceScatter => g.reduce_scatter(comm, input, output, ReduceOp::Sum, s),
+        Op::Broadcast => g.broadcast(comm, output, 0, s),
+        Op::AllToAll => g.all_to_all(comm, input, output, s),
+    }
+}
+
+fn run_safe(op: Op, comms: &[Communicator], ranks: &mut [Rank], count: usize) -> handoff::Result<()> {
+    let [r0, r1] = ranks else {
+        unreachable!("two ranks")
+    };
+    group(|g| {
+        post_safe(g, op, &comms[0], r0, count)?;
+        post_safe(g, op, &comms[1], r1, count)
+    })
+}
+
+fn run_raw(op: Op, comms: &[Communicator], ranks: &mut [Rank], count: usize) -> handoff::Result<()> {
+    let dt: ncclDataType_t = f32::DATATYPE;
+    // SAFETY: both ranks' buffers hold at least the lengths `op` needs for `count` (allocated for
+    // the largest size), on their communicators' devices; this benchmark orders raw and safe
+    // operations on the same streams, so stream order alone keeps them apart; the group is
+    // closed below.
+    unsafe {
+        raw::group_start()?;
+        for (c, r) in comms.iter().zip(ranks.iter_mut()) {
+            let (i, o, s) = (
+                r.input.as_raw_ptr().cast(),
+                r.output.as_raw_mut_ptr().cast(),
+                r.stream.as_raw(),
+            );
+            let rc = match op {
+                Op::AllReduce => raw::all_reduce(i, o, count, dt, ncclRedOp_t::ncclSum, c.as_raw(), s),
+                Op::AllGather => raw::all_gather(i, o, count, dt, c.as_raw(), s),
+                Op::ReduceScatter => {
+                    raw::reduce_scatter(i, o, count, dt, ncclRedOp_t::ncclSum, c.as_raw(), s)
+                }
+                Op::Broadcast => raw::broadcast(o, o, count, dt, 0, c.as_raw(), s),
+                Op::AllToAll => raw::all_to_all(i, o, count, dt, c.as_raw(), s),
+            }?;
+            raw::check("a raw collective", rc)?;
+        }
+        raw::group_end()?;
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> handoff::Result<()> {
+    let o = Opts::parse();
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let verified = Communicator::init_all(&devs)?;
+    // SAFETY: this benchmark posts the same collectives on both ranks, in one group.
+    let unverified = Communicator::init_all_with(&devs, unsafe { CommOptions::default().unverified() })?;
+    let max_count = o.max_bytes / 4;
+    let mut ranks: Vec<Rank> = devs
+        .iter()
+        .map(|d| {
+            let stream = Stream::new(d)?;
+            let input = DeviceBuffer::from_slice(&stream, &vec![1.0f32; WORLD * max_count])?;
+            let output = DeviceBuffer::zeros(&stream, WORLD * max_count)?;
+            Ok(Rank {
+                stream,
+                input,
+                output,
+            })
+        })
+        .collect::<handoff::Result<_>>()?;
+    let (start, end) = (Event::new(&devs[0])?, Event::new(&devs[0])?);
+    let joined = Event::without_timing(&devs[1])?;
+    for op in &o.op {
+        let op = *op;
+        println!("# handoff collectives: {op:?}, two ranks in one process, GPU 0 and GPU 1");
+        println!(
+            "# f32 | iters {} | warmup {} | repeats {} (median) | rotating verified, unverified and raw | busbw factor {:.2}",
+            o.iters,
+            o.warmup,
+            o.repeats,
+            op.bus_factor(WORLD as f64)
+        );
+        println!(
+            "#{:>11} {:>11} | {:>10} {:>8} | {:>10} {:>8} | {:>10} {:>8} | {:>8} {:>8} {:>9}",
+            "size(B)",
+            "count",
+            "verif(us)",
+            "busbw",
+            "unver(us)",
+            "busbw",
+            "raw(us)",
+            "busbw",
+            "ver/raw",
+            "unv/raw",
+            "v-raw(us)"
+        );
+        if op == Op::Broadcast {
+            // The root's buffer is the source (in place): ones, like the other inputs.
+            let r0 = &mut ranks[0];
+            r0.output.fill(1.0, &r0.stream)?;
+        }
+        let mut csv = String::from(
+            "op,bytes,count,verified_us,unverified_us,raw_us,verified_busbw,unverified_busbw,raw_busbw,verified_ratio\n",
+        );
+        let mut bytes = o.min_bytes.max(4 * WORLD);
+        while bytes <= o.max_bytes {
+            // nccl-tests' size is the larger buffer per rank.
+            let count = match op {
+                Op::AllReduce | Op::Broadcast => bytes / 4,
+                Op::AllGather | Op::ReduceScatter | Op::AllToAll => bytes / 4 / WORLD,
+            }
+            .max(1);
+            let call = |way: Way, ranks: &mut [Rank]| match way {
+                Way::Verified => run_safe(op, &verified, ranks, count),
+                Way::Unverified => run_safe(op, &unverified, ranks, count),
+                Way::Raw => run_raw(op, &verified, ranks, count),
+            };
+            for way in WAYS {
+                for _ in 0..o.warmup {
+                    call(way, &mut ranks)?;
+                }
+            }
+            let mut times = [Vec::new(), Vec::new(), Vec::new()];
+            for rep in 0..3 * o.repeats {
+                let way = WAYS[rep % 3];
+                ranks[0].stream.record(&start)?;
+                ranks[1].stream.wait(&start)?;
+                for _ in 0..o.iters {
+                    call(way, &mut ranks)?;
+                }
+                ranks[1].stream.record(&joined)?;
+                ranks[0].stream.wait(&joined)?;
+                ranks[0].stream.record(&end)?;
+                end.synchronize()?;
+                times[way as usize].push(f64::from(start.elapsed_ms(&end)?) * 1000.0 / o.iters as f64);
+            }
+            // The result once: ones everywhere, so a sum is 2 and the rest 1.
+            let (_, olen) = lengths(op, count);
+            let got = ranks[1].output.slice(..olen)?.to_vec(&ranks[1].stream)?;
+            let want = if matches!(op, Op::AllReduce | Op::ReduceScatter) {
+                2.0
+            } else {
+                1.0
+            };
+            if let Some(i) = got.iter().position(|&v| v != want) {
+                return Err(handoff::Error::InvalidArgument(format!(
+                    "{op:?} at {bytes} B: element {i} is {}, want {want}",
+                    got[i]
+                )));
+            }
+            let [v, u, r] = times.map(median);
+            let bus = |us: f64| bytes as f64 / us / 1000.0 * op.bus_factor(WORLD as f64);
+            println!(
+                "{:>12} {:>11} | {:>10.2} {:>8.2} | {:>10.2} {:>8.2} | {:>10.2} {:>8.2} | {:>8.4} {:>8.4} {:>9.2}",
+                bytes,
+                count,
+                v,
+                bus(v),
+                u,
+                bus(u),
+                r,
+                bus(r),
+                v / r,
+                u / r,
+                v - r
+            );
+            let _ = writeln!(
+                csv,
+                "{op:?},{bytes},{count},{v:.3},{u:.3},{r:.3},{:.3},{:.3},{:.3},{:.5}",
+                bus(v),
+                bus(u),
+                bus(r),
+                v / r
+            );
+            bytes = match bytes.checked_mul(o.factor) {
+                Some(b) if b > o.max_bytes && bytes < o.max_bytes => o.max_bytes,
+                Some(b) => b,
+                None if bytes < o.max_bytes => o.max_bytes,
+                None => break,
+            };
+        }
+        let path = format!("{}-{op:?}.csv", o.csv).to_lowercase();
+        std::fs::write(&path, csv)
+            .map_err(|e| handoff::Error::InvalidArgument(format!("writing {path}: {e}")))?;
+        println!("# wrote {path}");
+    }
+    for r in &ranks {
+        r.stream.synchronize()?;
+    }
+    Ok(())
+}
