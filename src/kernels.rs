@@ -33,7 +33,18 @@ struct Builtins {
 
 static BUILTINS: OnceCell<Result<Builtins>> = OnceCell::new();
 
-fn builtins() -> Result<&'static Builtins> {
+/// The crate's kernels, every one of them loaded on `stream`'s device before the first launch of
+/// any there (as one step: a lazy load can wait for work already running on the device, so none
+/// should happen between two launches whose ordering a caller relies on).
+fn builtins(stream: &Stream) -> Result<&'static Builtins> {
+    let b = all_builtins()?;
+    for f in [&b.produce, &b.twice, &b.busy, &b.delayed_copy, &b.fill] {
+        f.load_on(stream.device())?;
+    }
+    Ok(b)
+}
+
+fn all_builtins() -> Result<&'static Builtins> {
     BUILTINS
         .get_or_init(|| {
             let m = Module::from_image(ptx::ARTICLE)?;
@@ -86,7 +97,7 @@ fn nanos(d: Duration) -> Result<u64> {
 /// [`Error::InvalidArgument`] if `x` is on another device than
 /// `stream`; CUDA errors (loading the PTX, launching).
 pub fn produce(stream: &Stream, x: &mut DeviceBuffer<f32>, round: u32) -> Result<()> {
-    let k = &builtins()?.produce;
+    let k = &builtins(stream)?.produce;
     let n = x.len();
     // SAFETY: handoff_produce(float* x, u64 n, u32 round) writes x[0..n] only, and ends.
     unsafe {
@@ -111,7 +122,7 @@ pub fn produced_value(i: usize, round: u32) -> f32 {
 /// is on another device; CUDA errors.
 pub fn twice(stream: &Stream, x: &DeviceBuffer<f32>, y: &mut DeviceBuffer<f32>) -> Result<()> {
     check_len(y.len(), x.len(), "x")?;
-    let k = &builtins()?.twice;
+    let k = &builtins(stream)?.twice;
     let n = x.len();
     // SAFETY: handoff_twice(const float* x, float* y, u64 n) reads x[0..n], writes y[0..n].
     unsafe {
@@ -131,7 +142,7 @@ pub fn twice(stream: &Stream, x: &DeviceBuffer<f32>, y: &mut DeviceBuffer<f32>) 
 /// CUDA errors.
 pub fn busy(stream: &Stream, duration: Duration) -> Result<()> {
     let ns = nanos(duration)?;
-    let k = &builtins()?.busy;
+    let k = &builtins(stream)?.busy;
     // SAFETY: handoff_busy(u64 ns) touches no memory and ends after `ns` (at most MAX_WAIT).
     unsafe { stream.launch_builder(k).arg(ns).launch(config(1, 1)) }
 }
@@ -154,7 +165,7 @@ pub fn delayed_copy(
 ) -> Result<()> {
     check_len(dst.len(), src.len(), "src")?;
     let ns = nanos(delay)?;
-    let k = &builtins()?.delayed_copy;
+    let k = &builtins(stream)?.delayed_copy;
     let n = src.len();
     // SAFETY: handoff_delayed_copy(const float* src, float* dst, u64 n, u64 ns) reads src[0..n],
     // writes dst[0..n], and ends after at most MAX_WAIT plus the copy.
@@ -183,7 +194,7 @@ pub(crate) fn fill<T: Pod>(stream: &Stream, dst: ViewMut<'_, T>, value: T) -> Re
     let lo = u64::from_le_bytes(pattern[..8].try_into().expect("8 bytes"));
     let hi = u64::from_le_bytes(pattern[8..].try_into().expect("8 bytes"));
     let typed = u32::from(matches!(size, 1 | 2 | 4 | 8) && std::mem::align_of::<T>() == size);
-    let k = &builtins()?.fill;
+    let k = &builtins(stream)?.fill;
     let n = dst.len();
     // SAFETY: handoff_fill(u8* dst, u64 n, u32 size, u32 typed, u64 lo, u64 hi) writes the
     // n × size bytes of dst, with stores of `size` bytes only where `typed` says the elements

@@ -224,12 +224,16 @@ impl Function {
     /// there. CUDA loads modules lazily, and a lazy load can wait for work already running on
     /// the device: doing it up front keeps that wait out of the ordering the launch sets up.
     fn limits(&self, stream: &Stream) -> Result<(u32, u32)> {
-        let device = stream.device().ordinal();
+        self.limits_on(stream.device())
+    }
+
+    fn limits_on(&self, on: &crate::Device) -> Result<(u32, u32)> {
+        let device = on.ordinal();
         let mut cache = self.attributes.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(&(_, threads, shared)) = cache.iter().find(|(d, _, _)| *d == device) {
             return Ok((threads, shared));
         }
-        stream.device().set_current()?;
+        on.set_current()?;
         // SAFETY: the handle is live (its library is never unloaded).
         let a = unsafe { cu::kernel_attributes(self.kernel) }.map_err(|e| self._module.image_error(e))?;
         let limits = (
@@ -238,6 +242,16 @@ impl Function {
         );
         cache.push((device, limits.0, limits.1));
         Ok(limits)
+    }
+
+    /// Loads the kernel on `device` now (the driver compiles PTX for it, if needed), instead of
+    /// at its first launch there. A lazy load can wait for work already running on the device;
+    /// loading up front keeps that wait out of a later launch.
+    ///
+    /// # Errors
+    /// [`Error::Module`] when the PTX does not compile for the device; CUDA errors.
+    pub fn load_on(&self, device: &crate::Device) -> Result<()> {
+        self.limits_on(device).map(|_| ())
     }
 
     /// The raw handle.
