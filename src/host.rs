@@ -34,7 +34,6 @@
 //! page). Allocate host buffers once and reuse them; keep large ones few. Dropping one blocks
 //! until the copies that use it are done (`cudaFreeHost` cannot be ordered on a stream).
 
-use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, OnceLock};
@@ -47,9 +46,8 @@ use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::result as cu;
 use crate::stream::{Stream, check_poison};
-use crate::sys::cudart::cudaMemcpyKind;
 use crate::tracking::{Access, StreamId};
-use crate::view::{View, ViewMut, check_len};
+use crate::view::{CopyPath, View, ViewMut, check_len, tracked_copy};
 
 /// `len` elements of `T` in page-locked host memory, bound to one device; see the
 /// [module docs](self) for the rules.
@@ -370,35 +368,19 @@ impl<T: Pod> View<'_, T> {
         // needs the buffer borrowed exclusively, and `self` borrows it shared. Set before the
         // copy is queued, so that whatever part of it reaches the stream is covered.
         dst.filled_from = self.tracked().lock().last_write().cloned();
-        let (to, from, bytes) = (
-            dst.ptr.cast::<c_void>(),
-            self.as_raw_ptr().cast::<c_void>(),
-            self.byte_len(),
-        );
-        engine::enqueue(
-            &uses,
-            false,
-            |_| {
-                if bytes == 0 {
-                    return Ok(());
-                }
-                // SAFETY: `from` is `bytes` bytes of device memory, `to` as many of pinned host
-                // memory; the stream waits for the view's last write and every earlier use of
-                // `dst`, and the event recorded after the copy keeps the device buffer from
-                // being rewritten or freed, and `dst` from being read, written or freed on the
-                // host, before it is done.
-                unsafe {
-                    cu::memcpy_async(
-                        to,
-                        from,
-                        bytes,
-                        cudaMemcpyKind::cudaMemcpyDeviceToHost,
-                        stream.as_raw(),
-                    )
-                }
-            },
-            |_, _, _| {},
-        )
+        // SAFETY: the view holds `len` elements of device memory and `dst` as many of pinned
+        // host memory (checked), both borrowed for the call, all on `stream`'s device
+        // (checked); the copy's tracking keeps the device buffer from being rewritten or freed,
+        // and `dst` from being read, written or freed on the host, before it is done.
+        unsafe {
+            tracked_copy(
+                stream,
+                (self.tracked(), self.as_raw_ptr().cast()),
+                (&dst.tracked, dst.ptr.cast()),
+                self.byte_len(),
+                CopyPath::DeviceToHost,
+            )
+        }
     }
 }
 
@@ -419,35 +401,19 @@ impl<T: Pod> ViewMut<'_, T> {
         ];
         engine::check_devices(&uses)?;
         check_len(self.len(), src.len, "the host buffer")?;
-        let (to, from, bytes) = (
-            self.as_raw_mut_ptr().cast::<c_void>(),
-            src.ptr.cast_const().cast::<c_void>(),
-            self.byte_len(),
-        );
-        engine::enqueue(
-            &uses,
-            false,
-            |_| {
-                if bytes == 0 {
-                    return Ok(());
-                }
-                // SAFETY: `to` is `bytes` bytes of device memory, `from` as many of pinned host
-                // memory; the stream waits for every earlier use of the view's buffer and the
-                // last copy into `src`, and the event recorded after the copy keeps `src` from
-                // being written or freed on the host, and the device buffer from being used, before
-                // it is done.
-                unsafe {
-                    cu::memcpy_async(
-                        to,
-                        from,
-                        bytes,
-                        cudaMemcpyKind::cudaMemcpyHostToDevice,
-                        stream.as_raw(),
-                    )
-                }
-            },
-            |_, _, _| {},
-        )
+        // SAFETY: `src` holds `len` elements of pinned host memory and the view as many of
+        // device memory (checked), both borrowed for the call, all on `stream`'s device
+        // (checked); the copy's tracking keeps `src` from being written or freed on the host,
+        // and the device buffer from being used, before it is done.
+        unsafe {
+            tracked_copy(
+                stream,
+                (&src.tracked, src.ptr.cast_const().cast()),
+                (self.tracked(), self.as_raw_mut_ptr().cast()),
+                self.byte_len(),
+                CopyPath::HostToDevice,
+            )
+        }
     }
 
     /// Copies the view into `dst`; see [`View::copy_to_host`].

@@ -352,44 +352,21 @@ impl<'a, T: Pod> ViewMut<'a, T> {
         let src = src.into();
         check_len(self.len, src.len, "the source")?;
         stream.check_tracked(self.tracked, Access::Write)?;
-        let uses = [
-            // The source is read on this stream even from another device: a stream may wait for
-            // another device's events, and record events that its streams then wait for.
-            TrackedUse::on(stream, src.tracked, Access::Read),
-            TrackedUse::on(stream, self.tracked, Access::Write),
-        ];
-        let (dst_dev, src_dev) = (self.device().ordinal() as i32, src.device().ordinal() as i32);
-        let (dst, from, bytes) = (
-            self.ptr.cast::<c_void>(),
-            src.ptr.cast::<c_void>(),
-            self.byte_len(),
-        );
-        engine::enqueue(
-            &uses,
-            false,
-            |_| {
-                if bytes == 0 {
-                    return Ok(());
-                }
-                // SAFETY: both hold `bytes` bytes on their devices; the stream waits for the
-                // source's last write and every use of the destination's buffer, and the
-                // events recorded after the copy keep both buffers from being reused early.
-                unsafe {
-                    if dst_dev == src_dev {
-                        cu::memcpy_async(
-                            dst,
-                            from,
-                            bytes,
-                            cudaMemcpyKind::cudaMemcpyDeviceToDevice,
-                            stream.as_raw(),
-                        )
-                    } else {
-                        cu::memcpy_peer_async(dst, dst_dev, from, src_dev, bytes, stream.as_raw())
-                    }
-                }
-            },
-            |_, _, _| {},
-        )
+        let how = CopyPath::DeviceToDevice {
+            dst: self.device().ordinal() as i32,
+            src: src.device().ordinal() as i32,
+        };
+        // SAFETY: both views hold `len` elements (checked) of their buffers, which stay borrowed
+        // for the call; the source may be on another device (a peer copy).
+        unsafe {
+            tracked_copy(
+                stream,
+                (src.tracked, src.ptr.cast()),
+                (self.tracked, self.ptr.cast()),
+                self.byte_len(),
+                how,
+            )
+        }
     }
 
     /// Sets every element to `value`, on `stream`, after every earlier use of the buffer;
@@ -401,6 +378,64 @@ impl<'a, T: Pod> ViewMut<'a, T> {
     pub fn fill(&mut self, value: T, stream: &Stream) -> Result<()> {
         crate::kernels::fill(stream, self.reborrow(), value)
     }
+}
+
+/// What a tracked copy moves, between what.
+#[derive(Clone, Copy)]
+pub(crate) enum CopyPath {
+    /// Device memory of device `src` to device memory of device `dst` (a peer copy when they
+    /// differ).
+    DeviceToDevice { dst: i32, src: i32 },
+    /// Pinned host memory to device memory.
+    HostToDevice,
+    /// Device memory to pinned host memory.
+    DeviceToHost,
+}
+
+/// Queues a copy of `bytes` from `src` to `dst` on `stream` as one tracked operation: a read of
+/// `src`'s memory and a write of `dst`'s, both used on `stream` (a stream may wait for another
+/// device's events and record events that other devices' streams then wait for, so the source
+/// of a peer copy may be on another device). Returns at once.
+///
+/// # Safety
+/// `src` and `dst` point to `bytes` bytes of the memory their trackers track, of the kind `how`
+/// says, borrowed by the caller for the call; `dst` is on `stream`'s device (checked by the
+/// caller, with the lengths).
+pub(crate) unsafe fn tracked_copy(
+    stream: &Stream,
+    src: (&Tracked, *const c_void),
+    dst: (&Tracked, *mut c_void),
+    bytes: usize,
+    how: CopyPath,
+) -> Result<()> {
+    let uses = [
+        TrackedUse::on(stream, src.0, Access::Read),
+        TrackedUse::on(stream, dst.0, Access::Write),
+    ];
+    let (from, to) = (src.1, dst.1);
+    engine::enqueue(
+        &uses,
+        false,
+        |_| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            let kind = match how {
+                CopyPath::DeviceToDevice { dst, src } if dst != src => {
+                    // SAFETY: the caller vouches for both pointers; the stream waits for the
+                    // source's last write and every use of the destination, and the events
+                    // recorded after the copy keep both from being reused or freed early.
+                    return unsafe { cu::memcpy_peer_async(to, dst, from, src, bytes, stream.as_raw()) };
+                }
+                CopyPath::DeviceToDevice { .. } => cudaMemcpyKind::cudaMemcpyDeviceToDevice,
+                CopyPath::HostToDevice => cudaMemcpyKind::cudaMemcpyHostToDevice,
+                CopyPath::DeviceToHost => cudaMemcpyKind::cudaMemcpyDeviceToHost,
+            };
+            // SAFETY: as above; pinned host memory is reached by the copy engine directly.
+            unsafe { cu::memcpy_async(to, from, bytes, kind, stream.as_raw()) }
+        },
+        |_, _, _| {},
+    )
 }
 
 pub(crate) fn check_len(len: usize, other: usize, what: &str) -> Result<()> {
