@@ -367,12 +367,12 @@ impl<T: Pod> View<'_, T> {
         // The write the copy will read after. No other can be queued before the copy: a write
         // needs the buffer borrowed exclusively, and `self` borrows it shared. Set before the
         // copy is queued, so that whatever part of it reaches the stream is covered.
-        dst.filled_from = self.tracked().lock().last_write().cloned();
+        let before = std::mem::replace(&mut dst.filled_from, self.tracked().lock().last_write().cloned());
         // SAFETY: the view holds `len` elements of device memory and `dst` as many of pinned
         // host memory (checked), both borrowed for the call, all on `stream`'s device
         // (checked); the copy's tracking keeps the device buffer from being rewritten or freed,
         // and `dst` from being read, written or freed on the host, before it is done.
-        unsafe {
+        let copied = unsafe {
             tracked_copy(
                 stream,
                 (self.tracked(), self.as_raw_ptr().cast()),
@@ -380,7 +380,12 @@ impl<T: Pod> View<'_, T> {
                 self.byte_len(),
                 CopyPath::DeviceToHost,
             )
+        };
+        if copied.is_err() {
+            // Perhaps nothing was copied: what the buffer held, and its report, stay.
+            dst.filled_from = before;
         }
+        copied
     }
 }
 

@@ -27,8 +27,19 @@ use crate::stream::Stream;
 use crate::sys::cudart::cudaStream_t;
 use crate::tracking::Access;
 
-/// cudarc's handle of the per-thread default stream: a different stream on every thread.
-const PER_THREAD_STREAM: usize = 0x2;
+/// The special handles: the legacy default stream (`0`, and `cudaStreamLegacy`, `1`), which
+/// names the *current* device's, and the per-thread default stream (`2`), a different stream on
+/// every thread. handoff calls some runtime functions on a stream without making its device
+/// current first, and orders work per stream: neither fits.
+fn check_handle(raw: cudarc::driver::sys::CUstream, what: &str) -> Result<()> {
+    if (raw as usize) <= 2 {
+        return Err(Error::InvalidArgument(format!(
+            "{what} is a default stream of cudarc's (legacy or per-thread), which names a \
+             different stream by device or thread; use one made by new_stream()"
+        )));
+    }
+    Ok(())
+}
 
 fn cudarc_error(call: &'static str, e: cudarc::driver::DriverError) -> Error {
     Error::Cudarc {
@@ -71,13 +82,7 @@ impl Stream {
     pub fn from_cudarc(stream: &Arc<CudaStream>, device: &Device) -> Result<Stream> {
         check_context(stream.context(), device)?;
         let raw = stream.cu_stream();
-        if raw as usize == PER_THREAD_STREAM {
-            return Err(Error::InvalidArgument(
-                "cudarc's per-thread default stream is a different stream on every thread; use \
-                 one made by new_stream()"
-                    .into(),
-            ));
-        }
+        check_handle(raw, "the cudarc stream")?;
         // SAFETY: a cudarc stream of the device's primary context is a runtime stream of the
         // device; the Arc kept in the Stream keeps it alive.
         Ok(unsafe { Stream::from_owned_handle(raw.cast(), device, stream.clone()) })
@@ -95,6 +100,7 @@ impl<T: Pod> DeviceBuffer<T> {
     pub fn from_cudarc(slice: CudaSlice<T>, stream: &Stream) -> Result<DeviceBuffer<T>> {
         let device = stream.device().clone();
         check_context(slice.context(), &device)?;
+        check_handle(slice.stream().cu_stream(), "the slice's stream")?;
         let len = slice.len();
         crate::buffer::byte_len::<T>(len)?;
         if len == 0 {
@@ -117,10 +123,16 @@ impl<T: Pod> DeviceBuffer<T> {
         // stream-ordered allocation) that cudarc gave up; the enqueue below makes its pending
         // uses, through `after`, the buffer's first tracked use.
         let buf = unsafe { DeviceBuffer::from_raw_parts(ptr as usize as *mut T, len, &device) };
-        stream.enqueue(&[(buf.tracked(), Access::Write)], |s| {
+        let ordered = stream.enqueue(&[(buf.tracked(), Access::Write)], |s| {
             // SAFETY: both handles are live; cross-stream waits are allowed.
             unsafe { cu::stream_wait_event(s, after.raw) }
-        })?;
+        });
+        if let Err(e) = ordered {
+            // The buffer's tracking may not cover cudarc's pending work: leak the memory rather
+            // than free it under that work.
+            std::mem::forget(buf);
+            return Err(e);
+        }
         Ok(buf)
     }
 
@@ -132,6 +144,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// As [`Stream::from_cudarc`]; CUDA errors (the buffer is then dropped the handoff way).
     pub fn into_cudarc(self, stream: &Arc<CudaStream>) -> Result<CudaSlice<T>> {
         check_context(stream.context(), self.device())?;
+        check_handle(stream.cu_stream(), "the cudarc stream")?;
         if self.is_empty() {
             return stream.null().map_err(|e| cudarc_error("CudaStream::null", e));
         }

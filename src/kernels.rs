@@ -189,6 +189,12 @@ pub(crate) fn fill<T: Pod>(stream: &Stream, dst: ViewMut<'_, T>, value: T) -> Re
             std::any::type_name::<T>()
         )));
     }
+    stream.check_tracked(dst.tracked(), crate::tracking::Access::Write)?;
+    if size == 0 || dst.is_empty() {
+        // Nothing to write (a zero-sized type has no bytes, whatever the length): no kernel,
+        // which for a zero-sized type of a huge length would loop all but forever.
+        return Ok(());
+    }
     let mut pattern = [0u8; 16];
     pattern[..size].copy_from_slice(bytemuck::bytes_of(&value));
     let lo = u64::from_le_bytes(pattern[..8].try_into().expect("8 bytes"));
@@ -227,6 +233,23 @@ mod tests {
     fn produced_values_stay_exact_in_f32() {
         assert_eq!(produced_value((1 << 24) - 1, 0), 16_777_216.0);
         assert_eq!(produced_value(1 << 24, 0), 1.0);
+    }
+
+    /// A fill of a zero-sized type over a huge length used to launch a grid-stride loop of
+    /// 2^64 - 1 iterations: now nothing is launched (no GPU here: a launch would fail).
+    #[test]
+    fn filling_nothing_launches_nothing() {
+        let device = crate::device::Device::for_tests();
+        let stream = Stream::for_tests(&device);
+        let tracked = crate::engine::Tracked::new(&device);
+        let mut unit = ();
+        // SAFETY: never dereferenced; zero-sized elements.
+        let huge = unsafe { ViewMut::from_raw(&mut unit as *mut (), usize::MAX, &tracked) };
+        fill(&stream, huge, ()).unwrap();
+        let mut x = 0f32;
+        // SAFETY: never dereferenced; no elements.
+        let empty = unsafe { ViewMut::from_raw(&mut x as *mut f32, 0, &tracked) };
+        fill(&stream, empty, 1.0).unwrap();
     }
 
     #[test]

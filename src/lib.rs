@@ -135,9 +135,14 @@
 //!   process of the same user, can write or truncate them.
 //! - Across hosts there is no verification yet: creation fails with [`Error::Setup`] and says to
 //!   use [`CommOptions::unverified`].
-//! - A report of cut-short data reaches the first host read of the received buffer; a kernel that
-//!   read it on the GPU before that computed on partial data (valid values, wrong ones) without
-//!   its output being flagged.
+//! - A report of cut-short data reaches the first host read of the received buffer (or of a
+//!   pinned host buffer copied from it); a kernel or a device copy that read it on the GPU before
+//!   that passed on partial data (valid values, wrong ones) without its output being flagged.
+//! - Verification compares each pair's sends and receives, and each communicator's collectives,
+//!   in order, not how they are split into groups: a rank that groups a send with a collective
+//!   while its peer posts them in separate groups passes verification, and NCCL can then wait
+//!   for itself until the watchdog aborts the communicators (bounded, reported as a timeout
+//!   rather than `Error::Mismatch`).
 
 #![warn(missing_docs)]
 

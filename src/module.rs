@@ -382,6 +382,12 @@ impl<'a> LaunchBuilder<'a> {
     }
 
     fn push_value<T: Pod>(&mut self, v: T) {
+        if std::mem::size_of::<T>() == 0 {
+            self.problem.get_or_insert(Error::InvalidArgument(format!(
+                "a kernel argument of {} has no bytes; no kernel parameter is empty",
+                std::any::type_name::<T>()
+            )));
+        }
         if std::mem::align_of::<T>() > 8 {
             self.problem.get_or_insert(Error::InvalidArgument(format!(
                 "a kernel argument of {} is aligned to {} bytes; at most 8 are supported",
@@ -704,5 +710,8 @@ mod tests {
         assert!(builder.problem.is_none());
         builder.arg(ByValue(0u128));
         assert!(matches!(builder.problem, Some(Error::InvalidArgument(_))));
+        let mut empty = stream.launch_builder(&function);
+        empty.arg(ByValue(()));
+        assert!(matches!(&empty.problem, Some(Error::InvalidArgument(m)) if m.contains("no bytes")));
     }
 }

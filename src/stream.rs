@@ -355,7 +355,9 @@ impl Stream {
     /// - that work reads only the buffers declared in `uses`, and writes only those declared
     ///   written, within their views' elements;
     /// - `work` calls nothing of handoff's on this stream or these buffers (their locks are held
-    ///   while it runs: such a call waits forever).
+    ///   while it runs: such a call waits forever);
+    /// - `work` does not panic once it has queued work (an unwinding `work` skips the recording,
+    ///   and the work would go untracked).
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a buffer on another device; CUDA errors from the waits or

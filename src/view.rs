@@ -148,8 +148,9 @@ impl<'a, T: Pod> View<'a, T> {
     /// [`Error::InvalidArgument`] for a range outside the view.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<View<'a, T>> {
         let (s, e) = bounds(range, self.len)?;
-        // SAFETY: s..e lies within this view's elements.
-        Ok(unsafe { View::from_raw(self.ptr.add(s), e - s, self.tracked) })
+        // SAFETY: s..e lies within this view's elements (device addresses: `wrapping_add`, as
+        // they are not in a Rust allocation).
+        Ok(unsafe { View::from_raw(self.ptr.wrapping_add(s), e - s, self.tracked) })
     }
 
     /// Copies the view to a new host vector, on `stream`, after the last write to its buffer.
@@ -166,14 +167,20 @@ impl<'a, T: Pod> View<'a, T> {
         let src = self.ptr.cast::<c_void>();
         let dst = out.as_mut_ptr().cast::<c_void>();
         let written_by = self.tracked.lock().last_write().cloned();
-        stream.enqueue(&[(self.tracked, Access::Read)], |s| {
+        let queued = stream.enqueue(&[(self.tracked, Access::Read)], |s| {
             if bytes == 0 {
                 return Ok(());
             }
             // SAFETY: `dst` has capacity for `bytes` bytes and stays allocated until the copy
             // completes (below; on failure it is leaked); the stream waits for the last write.
             unsafe { cu::memcpy_async(dst, src, bytes, cudaMemcpyKind::cudaMemcpyDeviceToHost, s) }
-        })?;
+        });
+        if let Err(e) = queued {
+            // The copy may have been queued before the error (a failed recording whose
+            // fallback wait did not hold): never free memory it may still write.
+            std::mem::forget(out);
+            return Err(e);
+        }
         if let Err(e) = stream.synchronize_raw() {
             // The copy may still write into `out` later: never free that memory.
             std::mem::forget(out);
@@ -264,7 +271,7 @@ impl<'a, T: Pod> ViewMut<'a, T> {
     pub fn into_slice_mut(self, range: impl RangeBounds<usize>) -> Result<ViewMut<'a, T>> {
         let (s, e) = bounds(range, self.len)?;
         // SAFETY: s..e lies within this view's elements, which `self`, consumed, gives up.
-        Ok(unsafe { ViewMut::from_raw(self.ptr.add(s), e - s, self.tracked) })
+        Ok(unsafe { ViewMut::from_raw(self.ptr.wrapping_add(s), e - s, self.tracked) })
     }
 
     /// Two writable views, of the elements before `mid` and from `mid` on.
@@ -282,7 +289,7 @@ impl<'a, T: Pod> ViewMut<'a, T> {
         Ok(unsafe {
             (
                 ViewMut::from_raw(self.ptr, mid, self.tracked),
-                ViewMut::from_raw(self.ptr.add(mid), self.len - mid, self.tracked),
+                ViewMut::from_raw(self.ptr.wrapping_add(mid), self.len - mid, self.tracked),
             )
         })
     }
@@ -524,7 +531,7 @@ impl<T: Pod> DeviceBuffer<T> {
         Ok(unsafe {
             (
                 ViewMut::from_raw(ptr, mid, tracked),
-                ViewMut::from_raw(ptr.add(mid), len - mid, tracked),
+                ViewMut::from_raw(ptr.wrapping_add(mid), len - mid, tracked),
             )
         })
     }
