@@ -1,5 +1,5 @@
-//! [`group`]: sends and receives collected by a closure, checked, verified, and queued as one
-//! NCCL group through the crate's one tracked path.
+//! [`group`]: sends, receives and collectives collected by a closure, checked, verified, and
+//! queued as one NCCL group through the crate's one tracked path.
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -93,7 +93,9 @@ impl Op<'_> {
     }
 }
 
-/// Sends and receives queued together (`ncclGroupStart` … `ncclGroupEnd`), made with [`group`].
+/// Sends, receives and collectives queued together (`ncclGroupStart` … `ncclGroupEnd`), made
+/// with [`group`]; the collectives are in [`crate::nccl`]'s collective methods
+/// ([`Group::all_reduce`] and the others).
 ///
 /// Each call checks its arguments at once; nothing reaches NCCL until the closure given to
 /// [`group`] returns `Ok`, so a group is never left open and an error inside the closure
@@ -106,7 +108,7 @@ pub struct Group<'a> {
     _not_send: PhantomData<*const ()>,
 }
 
-/// Runs `f` to collect sends and receives, then submits them as one NCCL group.
+/// Runs `f` to collect sends, receives and collectives, then submits them as one NCCL group.
 ///
 /// A send to oneself and its receive must be in one group; so must every send or receive
 /// between ranks made together by [`Communicator::init_all`] and its counterpart.
