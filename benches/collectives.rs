@@ -2,15 +2,16 @@
 //! calls, in the same process, on the same buffers and streams, interleaved; two ranks in one
 //! process (GPUs 0 and 1).
 //!
-//! `cargo bench --bench collectives -- --op all_reduce` (`--help` for the options)
+//! `cargo bench --bench collectives -- --op all-reduce` (`--help` for the options)
 //!
 //! For each size, after `--warmup` untimed iterations, `--repeats` timed runs of `--iters`
 //! iterations of each way, rotating verified, unverified and raw; each run is timed with CUDA
 //! events (both ranks' streams joined), and the median run is reported. The table follows
 //! nccl-tests (size, count, type, time, algbw, busbw, with nccl-tests' bus bandwidth factors
-//! from its PERFORMANCE.md); rows go to `--csv`. Results are checked once per size.
+//! from its PERFORMANCE.md); rows go to `--csv` and, with `--svg`, a plot of bus bandwidth,
+//! time and handoff's time over raw NCCL's per size. Results are checked once per size.
 
-use std::fmt::Write as _;
+mod harness;
 
 use clap::{Parser, ValueEnum};
 use handoff::result::nccl as raw;
@@ -45,11 +46,11 @@ struct Opts {
     /// The collectives to time.
     #[arg(long, value_enum, num_args = 1.., default_values_t = [Op::AllReduce, Op::AllGather, Op::ReduceScatter, Op::Broadcast, Op::AllToAll])]
     op: Vec<Op>,
-    /// Smallest size in bytes (nccl-tests' size: the larger of input and output per rank).
-    #[arg(long, default_value_t = 8)]
+    /// Smallest size (nccl-tests' size: the larger of input and output per rank), like 8, 64K, 1M.
+    #[arg(long, default_value = "8", value_parser = harness::parse_size)]
     min_bytes: usize,
-    /// Largest size in bytes.
-    #[arg(long, default_value_t = 1 << 30)]
+    /// Largest size.
+    #[arg(long, default_value = "1G", value_parser = harness::parse_size)]
     max_bytes: usize,
     /// Step between sizes.
     #[arg(long, default_value_t = 4)]
@@ -64,6 +65,9 @@ struct Opts {
     /// CSV file prefix: one file per operation, PREFIX-OP.csv.
     #[arg(long, default_value = "collectives")]
     csv: String,
+    /// SVG file prefix: with it, one plot per operation, PREFIX-OP.svg.
+    #[arg(long)]
+    svg: Option<String>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -152,13 +156,13 @@ fn run_raw(op: Op, comms: &[Communicator], ranks: &mut [Rank], count: usize) -> 
     Ok(())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() -> handoff::Result<()> {
     let o = Opts::parse();
+    if o.factor < 2 || o.iters == 0 || o.repeats == 0 || o.min_bytes > o.max_bytes {
+        return Err(handoff::Error::InvalidArgument(
+            "need --factor >= 2, --iters and --repeats > 0, --min-bytes <= --max-bytes".into(),
+        ));
+    }
     let devs = [Device::new(0)?, Device::new(1)?];
     let verified = Communicator::init_all(&devs)?;
     // SAFETY: this benchmark posts the same collectives on both ranks, in one group.
@@ -189,30 +193,15 @@ fn main() -> handoff::Result<()> {
             o.repeats,
             op.bus_factor(WORLD as f64)
         );
-        println!(
-            "#{:>11} {:>11} | {:>10} {:>8} | {:>10} {:>8} | {:>10} {:>8} | {:>8} {:>8} {:>9}",
-            "size(B)",
-            "count",
-            "verif(us)",
-            "busbw",
-            "unver(us)",
-            "busbw",
-            "raw(us)",
-            "busbw",
-            "ver/raw",
-            "unv/raw",
-            "v-raw(us)"
-        );
+        println!("{}", harness::header());
         if op == Op::Broadcast {
             // The root's buffer is the source (in place): ones, like the other inputs.
             let r0 = &mut ranks[0];
             r0.output.fill(1.0, &r0.stream)?;
         }
-        let mut csv = String::from(
-            "op,bytes,count,verified_us,unverified_us,raw_us,verified_busbw,unverified_busbw,raw_busbw,verified_ratio\n",
-        );
-        let mut bytes = o.min_bytes.max(4 * WORLD);
-        while bytes <= o.max_bytes {
+        let factor = op.bus_factor(WORLD as f64);
+        let mut rows = Vec::new();
+        for bytes in harness::sizes(o.min_bytes.max(4 * WORLD), o.max_bytes, o.factor) {
             // nccl-tests' size is the larger buffer per rank.
             let count = match op {
                 Op::AllReduce | Op::Broadcast => bytes / 4,
@@ -257,41 +246,25 @@ fn main() -> handoff::Result<()> {
                     got[i]
                 )));
             }
-            let [v, u, r] = times.map(median);
-            let bus = |us: f64| bytes as f64 / us / 1000.0 * op.bus_factor(WORLD as f64);
-            println!(
-                "{:>12} {:>11} | {:>10.2} {:>8.2} | {:>10.2} {:>8.2} | {:>10.2} {:>8.2} | {:>8.4} {:>8.4} {:>9.2}",
+            let row = harness::Row {
                 bytes,
                 count,
-                v,
-                bus(v),
-                u,
-                bus(u),
-                r,
-                bus(r),
-                v / r,
-                u / r,
-                v - r
-            );
-            let _ = writeln!(
-                csv,
-                "{op:?},{bytes},{count},{v:.3},{u:.3},{r:.3},{:.3},{:.3},{:.3},{:.5}",
-                bus(v),
-                bus(u),
-                bus(r),
-                v / r
-            );
-            bytes = match bytes.checked_mul(o.factor) {
-                Some(b) if b > o.max_bytes && bytes < o.max_bytes => o.max_bytes,
-                Some(b) => b,
-                None if bytes < o.max_bytes => o.max_bytes,
-                None => break,
+                us: times.map(harness::median),
             };
+            println!("{}", harness::line(&row, factor));
+            rows.push(row);
         }
         let path = format!("{}-{op:?}.csv", o.csv).to_lowercase();
-        std::fs::write(&path, csv)
+        let name = format!("{op:?}").to_lowercase();
+        std::fs::write(&path, harness::csv(&name, "f32", &rows, factor))
             .map_err(|e| handoff::Error::InvalidArgument(format!("writing {path}: {e}")))?;
         println!("# wrote {path}");
+        if let Some(prefix) = &o.svg {
+            let path = format!("{prefix}-{name}.svg");
+            let title = format!("handoff {name}: two ranks in one process, GPU 0 and GPU 1, f32");
+            harness::plot(&path, &title, &rows, factor).map_err(handoff::Error::InvalidArgument)?;
+            println!("# wrote {path}");
+        }
     }
     for r in &ranks {
         r.stream.synchronize()?;

@@ -19,34 +19,69 @@
 //! CSV (`--csv`, default `sendrecv.csv`); a plot of bandwidth and latency against size
 //! (`--svg`, default `sendrecv.svg`).
 
-use std::fmt::Write as _;
+mod harness;
+
 use std::time::{Duration, Instant};
 
+use clap::{Parser, ValueEnum};
 use handoff::result::nccl as raw_nccl;
 use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Event, Launch, NcclType, Stream, group};
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Mode {
+    /// One rank sends to itself (one GPU).
+    #[value(name = "self")]
     SelfRank,
+    /// Two ranks in this process (two GPUs).
+    #[value(name = "inproc")]
     InProc,
+    /// Two processes through the bootstrap (two GPUs).
+    #[value(name = "procs")]
     Procs,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Parser, Clone, Debug)]
+#[command(about = "handoff's send/receive against raw NCCL")]
 struct Opts {
+    #[arg(long, value_enum, default_value = "self")]
     mode: Mode,
+    /// Smallest message, like 8, 64K, 1M.
+    #[arg(long, default_value = "8", value_parser = harness::parse_size)]
     min_bytes: usize,
+    /// Largest message.
+    #[arg(long, default_value = "1G", value_parser = harness::parse_size)]
     max_bytes: usize,
+    /// Step between sizes (at least 2).
+    #[arg(long, default_value_t = 4)]
     factor: usize,
+    /// Iterations per timed run (at least 1).
+    #[arg(long, default_value_t = 50)]
     iters: usize,
+    /// Untimed iterations per way and size.
+    #[arg(long, default_value_t = 5)]
     warmup: usize,
+    /// Timed runs per way and size, the median reported (at least 1).
+    #[arg(long, default_value_t = 7)]
     repeats: usize,
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f64", "f16", "bf16", "i32", "u8"])]
     dtype: String,
+    /// The GPUs, sender first.
+    #[arg(long, value_delimiter = ',', default_value = "0,1")]
     devices: Vec<usize>,
+    #[arg(long, default_value = "sendrecv.csv")]
     csv: String,
+    /// Plot of bandwidth, time and handoff's time over raw NCCL's, against size.
+    #[arg(long, default_value = "sendrecv.svg")]
     svg: String,
+    /// Calls timed for the host-overhead figure (0: skip it).
+    #[arg(long, default_value_t = 2000)]
     overhead_calls: usize,
+    /// Non-blocking communicators.
+    #[arg(long)]
     nonblocking: bool,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 impl Opts {
@@ -55,87 +90,10 @@ impl Opts {
     }
 }
 
-fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
-        Some((i, _)) => {
-            let m = match s[i..].to_ascii_uppercase().as_str() {
-                "B" => 1,
-                "K" | "KB" | "KIB" => 1 << 10,
-                "M" | "MB" | "MIB" => 1 << 20,
-                "G" | "GB" | "GIB" => 1 << 30,
-                u => return Err(format!("unknown size unit {u} in {s}")),
-            };
-            (&s[..i], m)
-        }
-        None => (s, 1),
-    };
-    num.parse::<usize>()
-        .map(|n| n * mult)
-        .map_err(|e| format!("{s}: {e}"))
-}
-
-const USAGE: &str = "options: --mode self|inproc|procs  --min-bytes 8  --max-bytes 1G  --factor 4  \
---iters 50  --warmup 5  --repeats 7  --dtype f32|f64|f16|bf16|i32|u8  --devices 0,1  \
---csv sendrecv.csv  --svg sendrecv.svg  --overhead-calls 2000  --nonblocking";
-
 fn opts() -> Result<Opts, String> {
-    let mut o = Opts {
-        mode: Mode::SelfRank,
-        min_bytes: 8,
-        max_bytes: 1 << 30,
-        factor: 4,
-        iters: 50,
-        warmup: 5,
-        repeats: 7,
-        dtype: "f32".into(),
-        devices: vec![0, 1],
-        csv: "sendrecv.csv".into(),
-        svg: "sendrecv.svg".into(),
-        overhead_calls: 2000,
-        nonblocking: false,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        if a == "--bench" {
-            continue; // cargo bench passes it
-        }
-        let mut v = || args.next().ok_or(format!("{a} needs a value; {USAGE}"));
-        let num = |s: String| s.parse::<usize>().map_err(|e| format!("{s}: {e}"));
-        match a.as_str() {
-            "--mode" => {
-                o.mode = match v()?.as_str() {
-                    "self" => Mode::SelfRank,
-                    "inproc" => Mode::InProc,
-                    "procs" => Mode::Procs,
-                    m => return Err(format!("unknown mode {m}; {USAGE}")),
-                }
-            }
-            "--min-bytes" => o.min_bytes = parse_size(&v()?)?,
-            "--max-bytes" => o.max_bytes = parse_size(&v()?)?,
-            "--factor" => o.factor = num(v()?)?,
-            "--iters" => o.iters = num(v()?)?,
-            "--warmup" => o.warmup = num(v()?)?,
-            "--repeats" => o.repeats = num(v()?)?,
-            "--dtype" => o.dtype = v()?,
-            "--devices" => {
-                o.devices = v()?
-                    .split(',')
-                    .map(|d| num(d.to_string()))
-                    .collect::<Result<_, _>>()?;
-            }
-            "--csv" => o.csv = v()?,
-            "--svg" => o.svg = v()?,
-            "--overhead-calls" => o.overhead_calls = num(v()?)?,
-            "--nonblocking" => o.nonblocking = true,
-            "--help" | "-h" => return Err(USAGE.into()),
-            _ => return Err(format!("unknown option {a}; {USAGE}")),
-        }
-    }
+    let o = Opts::parse();
     if o.factor < 2 || o.iters == 0 || o.repeats == 0 || o.min_bytes == 0 || o.min_bytes > o.max_bytes {
-        return Err(format!(
-            "need factor >= 2, iters and repeats > 0, 0 < min-bytes <= max-bytes; {USAGE}"
-        ));
+        return Err("need --factor >= 2, --iters and --repeats > 0, 0 < --min-bytes <= --max-bytes".into());
     }
     if o.mode != Mode::SelfRank && o.devices.len() < 2 {
         return Err("--devices needs two devices for inproc and procs".into());
@@ -155,9 +113,7 @@ fn main() {
                 "bf16" => run::<half::bf16>(&o, launch),
                 "i32" => run::<i32>(&o, launch),
                 "u8" => run::<u8>(&o, launch),
-                d => Err(handoff::Error::InvalidArgument(format!(
-                    "unsupported --dtype {d}; {USAGE}"
-                ))),
+                d => unreachable!("clap accepts only the listed types, not {d}"),
             }
             .map_err(|e| e.to_string()),
         }
@@ -415,18 +371,6 @@ impl Setup {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-struct Row {
-    bytes: usize,
-    count: usize,
-    /// Median time per transfer, indexed by `Way`.
-    us: [f64; 3],
-}
-
 fn pattern<T: NcclType>(n: usize) -> Vec<T> {
     let bytes: Vec<u8> = (0..n * std::mem::size_of::<T>())
         .map(|i| (i % 251) as u8 + 1)
@@ -460,26 +404,10 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
             o.repeats,
             if o.nonblocking { "non-blocking" } else { "blocking" }
         );
-        println!(
-            "#{:>11} {:>12} {:>5} | {:>10} {:>8} | {:>10} {:>8} | {:>10} {:>8} | {:>8} {:>8} {:>9} {:>9}",
-            "size(B)",
-            "count",
-            "type",
-            "verif(us)",
-            "busbw",
-            "unver(us)",
-            "busbw",
-            "raw(us)",
-            "busbw",
-            "ver/raw",
-            "unv/raw",
-            "v-raw(us)",
-            "v-unv(us)"
-        );
+        println!("{}", harness::header());
     }
     let mut rows = Vec::new();
-    let mut bytes = o.min_bytes.max(size);
-    while bytes <= o.max_bytes {
+    for bytes in harness::sizes(o.min_bytes.max(size), o.max_bytes, o.factor) {
         let count = bytes / size;
         let ts = s.timing_stream();
         let mut times = [Vec::new(), Vec::new(), Vec::new()];
@@ -515,39 +443,16 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
             }
         }
         s.send_s.synchronize()?;
-        let row = Row {
+        let row = harness::Row {
             bytes,
             count,
-            us: times.map(median),
+            us: times.map(harness::median),
         };
         if reports {
-            let bw = |us: f64| bytes as f64 / us / 1000.0; // GB/s
-            let [v, u, r] = row.us;
-            println!(
-                "{:>12} {:>12} {:>5} | {:>10.2} {:>8.2} | {:>10.2} {:>8.2} | {:>10.2} {:>8.2} | {:>8.4} {:>8.4} {:>9.2} {:>9.2}",
-                bytes,
-                count,
-                o.dtype,
-                v,
-                bw(v),
-                u,
-                bw(u),
-                r,
-                bw(r),
-                v / r,
-                u / r,
-                v - r,
-                v - u
-            );
+            // Point to point: bus bandwidth is algorithm bandwidth (factor 1).
+            println!("{}", harness::line(&row, 1.0));
         }
         rows.push(row);
-        // Step by the factor, and end exactly at --max-bytes (8 B × 4^k never hits 1 GiB).
-        bytes = match bytes.checked_mul(o.factor) {
-            Some(b) if b > o.max_bytes && bytes < o.max_bytes => o.max_bytes,
-            Some(b) => b,
-            None if bytes < o.max_bytes => o.max_bytes,
-            None => break,
-        };
     }
     let overhead = host_overhead(o, &s, &mut b)?;
     if reports && s.role == Role::Both {
@@ -563,9 +468,10 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
                 v - u
             );
         }
-        write_csv(o, &rows)
+        std::fs::write(&o.csv, harness::csv("send_recv", &o.dtype, &rows, 1.0))
             .map_err(|e| handoff::Error::InvalidArgument(format!("writing {}: {e}", o.csv)))?;
-        write_svg(o, &s.label, &rows)
+        let title = format!("handoff send/recv, {}, {}", o.dtype, s.label);
+        harness::plot(&o.svg, &title, &rows, 1.0)
             .map_err(|e| handoff::Error::InvalidArgument(format!("writing {}: {e}", o.svg)))?;
         println!("# wrote {} and {}", o.csv, o.svg);
     }
@@ -597,7 +503,7 @@ fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::
         s.send_s.synchronize()?;
         s.recv_s.synchronize()?;
     }
-    Ok(Some(ns.map(median)))
+    Ok(Some(ns.map(harness::median)))
 }
 
 /// What the calls that tracking adds cost on the host, each timed over many calls: for finding
@@ -634,148 +540,4 @@ fn call_costs(s: &Setup) -> handoff::Result<()> {
          cudaGetDevice {get_device:.0} ns, a small heap allocation {pair:.0} ns"
     );
     Ok(())
-}
-
-fn write_csv(o: &Opts, rows: &[Row]) -> std::io::Result<()> {
-    let mut out = String::from(
-        "bytes,count,dtype,verified_us,unverified_us,raw_us,verified_busbw_gbps,unverified_busbw_gbps,raw_busbw_gbps,verified_ratio,unverified_ratio\n",
-    );
-    for r in rows {
-        let bw = |us: f64| r.bytes as f64 / us / 1000.0;
-        let [v, u, raw] = r.us;
-        let _ = writeln!(
-            out,
-            "{},{},{},{v:.3},{u:.3},{raw:.3},{:.3},{:.3},{:.3},{:.5},{:.5}",
-            r.bytes,
-            r.count,
-            o.dtype,
-            bw(v),
-            bw(u),
-            bw(raw),
-            v / raw,
-            u / raw
-        );
-    }
-    std::fs::write(&o.csv, out)
-}
-
-/// A per-row figure to plot.
-type Metric = Box<dyn Fn(&Row, Way) -> f64>;
-
-/// Two log-scale panels, bus bandwidth and time against message size, handoff and raw.
-fn write_svg(o: &Opts, label: &str, rows: &[Row]) -> std::io::Result<()> {
-    let (w, h, pad) = (520.0, 360.0, 60.0);
-    let xs: Vec<f64> = rows.iter().map(|r| (r.bytes as f64).log2()).collect();
-    let (x0, x1) = (
-        xs.first().copied().unwrap_or(0.0),
-        xs.last().copied().unwrap_or(1.0).max(xs[0] + 1.0),
-    );
-    let mut svg = format!(
-        "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' font-size='12'>\n\
-         <rect width='100%' height='100%' fill='white'/>\n<text x='20' y='20' font-size='14'>handoff send/recv ({} {}): handoff verified and unverified vs raw NCCL</text>\n",
-        2.0 * w,
-        h + 40.0,
-        label,
-        o.dtype
-    );
-    let panels: [(&str, Metric); 2] = [
-        (
-            "bus bandwidth (GB/s, log)",
-            Box::new(|r: &Row, way| r.bytes as f64 / r.us[way as usize] / 1000.0),
-        ),
-        (
-            "time per transfer (us, log)",
-            Box::new(|r: &Row, way| r.us[way as usize]),
-        ),
-    ];
-    for (p, (title, f)) in panels.iter().enumerate() {
-        let ox = p as f64 * w;
-        let vals: Vec<f64> = rows
-            .iter()
-            .flat_map(|r| WAYS.map(|w| f(r, w)))
-            .filter(|v| *v > 0.0)
-            .collect();
-        let lo = vals.iter().copied().fold(f64::INFINITY, f64::min).log10().floor();
-        let hi = vals
-            .iter()
-            .copied()
-            .fold(0.0, f64::max)
-            .log10()
-            .ceil()
-            .max(lo + 1.0);
-        let px = |x: f64| ox + pad + (x - x0) / (x1 - x0) * (w - 1.5 * pad);
-        let py = |v: f64| 30.0 + (h - pad) - (v.log10() - lo) / (hi - lo) * (h - pad - 20.0);
-        let _ = writeln!(
-            svg,
-            "<text x='{}' y='45'>{title}</text><line x1='{}' y1='{}' x2='{}' y2='{}' stroke='black'/><line x1='{}' y1='50' x2='{}' y2='{}' stroke='black'/>",
-            ox + pad,
-            px(x0),
-            py(10f64.powf(lo)),
-            px(x1),
-            py(10f64.powf(lo)),
-            px(x0),
-            px(x0),
-            py(10f64.powf(lo))
-        );
-        let mut e = lo;
-        while e <= hi {
-            let _ = writeln!(
-                svg,
-                "<text x='{}' y='{}' text-anchor='end'>1e{e}</text>",
-                px(x0) - 4.0,
-                py(10f64.powf(e)) + 4.0
-            );
-            e += 1.0;
-        }
-        for (i, r) in rows.iter().enumerate() {
-            if i % 2 == 0 {
-                let lbl = match r.bytes {
-                    b if b >= 1 << 30 => format!("{}G", b >> 30),
-                    b if b >= 1 << 20 => format!("{}M", b >> 20),
-                    b if b >= 1 << 10 => format!("{}K", b >> 10),
-                    b => format!("{b}"),
-                };
-                let _ = writeln!(
-                    svg,
-                    "<text x='{}' y='{}' text-anchor='middle'>{lbl}</text>",
-                    px(xs[i]),
-                    py(10f64.powf(lo)) + 16.0
-                );
-            }
-        }
-        for (way, color, name, ly) in [
-            (Way::Raw, "#d62728", "raw NCCL", 95.0),
-            (Way::Unverified, "#2ca02c", "handoff unverified", 80.0),
-            (Way::Verified, "#1f77b4", "handoff verified", 65.0),
-        ] {
-            let pts: Vec<String> = rows
-                .iter()
-                .zip(&xs)
-                .map(|(r, &x)| format!("{:.1},{:.1}", px(x), py(f(r, way))))
-                .collect();
-            let dash = match way {
-                Way::Verified => " stroke-dasharray='6 3'",
-                Way::Unverified => " stroke-dasharray='2 2'",
-                Way::Raw => "",
-            };
-            let _ = writeln!(
-                svg,
-                "<polyline fill='none' stroke='{color}' stroke-width='2'{dash} points='{}'/>",
-                pts.join(" ")
-            );
-            let _ = writeln!(
-                svg,
-                "<text x='{}' y='{ly}' fill='{color}'>{name}</text>",
-                ox + w - 140.0
-            );
-        }
-        let _ = writeln!(
-            svg,
-            "<text x='{}' y='{}' text-anchor='middle'>message size (bytes)</text>",
-            ox + w / 2.0,
-            h + 30.0
-        );
-    }
-    svg.push_str("</svg>\n");
-    std::fs::write(&o.svg, svg)
 }
