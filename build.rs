@@ -104,6 +104,7 @@ const NCCL_FUNCTIONS: &[&str] = &[
     "ncclCommFinalize",
     "ncclCommDestroy",
     "ncclCommAbort",
+    "ncclCommSplit",
     "ncclCommGetAsyncError",
     "ncclCommCount",
     "ncclCommCuDevice",

@@ -126,9 +126,10 @@
 //!
 //! Known limits:
 //! - NCCL's own blocking calls. A blocking communicator (the default) is created by
-//!   `ncclCommInitRankConfig`, which waits for every rank as long as NCCL does, and its first
-//!   operation with a peer connects inside `ncclGroupEnd`; a peer that has published its side
-//!   and is then stopped (not killed) before it posts holds that call. Non-blocking
+//!   `ncclCommInitRankConfig` (or split by `ncclCommSplit`), which waits for every rank as long
+//!   as NCCL does, and its first operation with a peer connects inside `ncclGroupEnd`; a peer
+//!   that has published its side and is then stopped (not killed) before it posts holds that
+//!   call. Non-blocking
 //!   communicators ([`CommOptions::with_blocking`]) bound both, at tens of microseconds per
 //!   group on NCCL 2.28.
 //! - Verification trusts the peers' mailboxes: a peer process that is not handoff, or another

@@ -2,7 +2,7 @@
 //! against a host computation on two GPUs, in one process and in two; in-place forms; sizes and
 //! roots refused before NCCL; verification catching a collective that differs on one rank; and
 //! a collective's input rewritten, and its output read, on other streams right after it (these
-//! fail with tracking bypassed).
+//! fail with tracking bypassed); splitting a communicator into sub-communicators and back.
 
 mod common;
 
@@ -39,6 +39,32 @@ fn main() {
             "hazard_collective_input_rewritten_and_output_read_on_other_streams",
             2,
             hazards,
+        ),
+        g.trial(
+            "a_rank_made_by_init_all_splits_only_with_split_all",
+            1,
+            split_alone,
+        ),
+        g.trial("split_all_into_single_rank_halves_and_back", 2, split_halves),
+        g.trial(
+            "split_all_with_keys_reversed_reorders_the_ranks",
+            2,
+            split_reordered,
+        ),
+        g.trial(
+            "split_on_threads_leaves_a_rank_out_and_verifies_the_child",
+            2,
+            || split_on_threads(true),
+        ),
+        g.trial(
+            "non_blocking_split_on_threads_leaves_a_rank_out_and_verifies_the_child",
+            2,
+            || split_on_threads(false),
+        ),
+        g.trial(
+            "a_non_blocking_split_a_rank_never_joins_times_out",
+            2,
+            split_times_out,
         ),
     ]);
 }
@@ -468,4 +494,228 @@ fn hazards() -> Result<(), Failed> {
         )?;
     }
     Ok(())
+}
+
+/// `x` of rank `r`, and a zeroed `y`, on `s`.
+fn x_and_y(r: usize, s: &Stream) -> handoff::Result<(DeviceBuffer<f32>, DeviceBuffer<f32>)> {
+    let host: Vec<f32> = (0..N).map(|i| input(r, i)).collect();
+    Ok((DeviceBuffer::from_slice(s, &host)?, DeviceBuffer::zeros(s, N)?))
+}
+
+/// A rank of `init_all` cannot split alone (it would wait for the others forever);
+/// `split_all` checks its arguments; a one-rank split gives a one-rank communicator that
+/// works, or none for no color.
+fn split_alone() -> Result<(), Failed> {
+    let dev = Device::new(0)?;
+    let comms = Communicator::init_all(std::slice::from_ref(&dev))?;
+    for (what, r) in [
+        ("split alone", comms[0].split(Some(0), 0).map(|_| ())),
+        ("no splits", Communicator::split_all(&comms, &[]).map(|_| ())),
+        (
+            "color above i32::MAX",
+            Communicator::split_all(&comms, &[(Some(u32::MAX), 0)]).map(|_| ()),
+        ),
+        ("no communicators", Communicator::split_all(&[], &[]).map(|_| ())),
+    ] {
+        match r {
+            Err(Error::InvalidArgument(m)) => println!("{what}: {m}"),
+            other => return Err(format!("{what}: expected InvalidArgument, got {other:?}").into()),
+        }
+    }
+    let mut kids = Communicator::split_all(&comms, &[(Some(5), 0)])?;
+    let kid = kids.pop().flatten().ok_or("no child for color 5")?;
+    if (kid.rank(), kid.world_size()) != (0, 1) {
+        return Err(format!("child is rank {} of {}", kid.rank(), kid.world_size()).into());
+    }
+    let s = Stream::new(&dev)?;
+    let (x, mut y) = x_and_y(0, &s)?;
+    kid.all_reduce(&x, &mut y, ReduceOp::Sum, &s)?;
+    assert_all_eq("one rank's all_reduce", &y.to_vec(&s)?, |i| input(0, i))?;
+    let none = Communicator::split_all(&comms, &[(None, 0)])?;
+    if none.iter().any(Option::is_some) {
+        return Err("a rank with no color got a communicator".into());
+    }
+    Ok(())
+}
+
+/// Two ranks split into two single-rank halves (each reduces alone), then the parent, still
+/// whole, reduces over both.
+fn split_halves() -> Result<(), Failed> {
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let comms = Communicator::init_all(&devs)?;
+    let ss = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
+    let halves = Communicator::split_all(&comms, &[(Some(0), 0), (Some(1), 0)])?;
+    for (r, h) in halves.iter().enumerate() {
+        let h = h.as_ref().ok_or("a half is missing")?;
+        if (h.rank(), h.world_size(), h.device().ordinal()) != (0, 1, devs[r].ordinal()) {
+            return Err(format!("half {r}: {h:?}").into());
+        }
+        let (x, mut y) = x_and_y(r, &ss[r])?;
+        h.all_reduce(&x, &mut y, ReduceOp::Sum, &ss[r])?;
+        assert_all_eq("a half's all_reduce", &y.to_vec(&ss[r])?, |i| input(r, i))?;
+    }
+    drop(halves);
+    let mut bs = [x_and_y(0, &ss[0])?, x_and_y(1, &ss[1])?];
+    let [b0, b1] = &mut bs;
+    group(|g| {
+        g.all_reduce(&comms[0], &b0.0, &mut b0.1, ReduceOp::Sum, &ss[0])?;
+        g.all_reduce(&comms[1], &b1.0, &mut b1.1, ReduceOp::Sum, &ss[1])
+    })?;
+    for (r, (_, y)) in bs.iter().enumerate() {
+        assert_all_eq("the parent's all_reduce", &y.to_vec(&ss[r])?, |i| {
+            reduce_host(ReduceOp::Sum, 2, i)
+        })?;
+    }
+    Ok(())
+}
+
+/// One color, keys reversed: the child's rank 0 is the parent's rank 1, which an all_gather's
+/// order shows; the children of one color are driven together, like `init_all`'s.
+fn split_reordered() -> Result<(), Failed> {
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let comms = Communicator::init_all(&devs)?;
+    let ss = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
+    let kids = Communicator::split_all(&comms, &[(Some(2), 10), (Some(2), 5)])?;
+    let kids: Vec<&Communicator> = kids.iter().flatten().collect();
+    let ranks: Vec<usize> = kids.iter().map(|k| k.rank()).collect();
+    if ranks != [1, 0] || kids.iter().any(|k| k.world_size() != 2) {
+        return Err(format!("children: {kids:?}").into());
+    }
+    // Parent rank p's input is input(p, i); gathered in the children's order: parent 1 first.
+    let xs = [x_and_y(0, &ss[0])?.0, x_and_y(1, &ss[1])?.0];
+    let mut outs = [
+        DeviceBuffer::<f32>::zeros(&ss[0], 2 * N)?,
+        DeviceBuffer::<f32>::zeros(&ss[1], 2 * N)?,
+    ];
+    let [o0, o1] = &mut outs;
+    group(|g| {
+        g.all_gather(kids[0], &xs[0], o0, &ss[0])?;
+        g.all_gather(kids[1], &xs[1], o1, &ss[1])
+    })?;
+    for (p, o) in outs.iter().enumerate() {
+        assert_all_eq("the child's all_gather", &o.to_vec(&ss[p])?, |i| {
+            input(1 - i / N, i % N)
+        })?;
+    }
+    Ok(())
+}
+
+/// Two ranks on two threads: rank 1 is left out of the first split (rank 0 gets a one-rank
+/// communicator, rank 1 none); both join the second, whose verification catches a collective
+/// that differs on one rank, and the third, whose all_reduce works. Non-blocking, NCCL writes
+/// the children's handles after `ncclCommSplit` returns.
+fn split_on_threads(blocking: bool) -> Result<(), Failed> {
+    let id = UniqueId::new()?;
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let id = id.clone();
+            std::thread::spawn(move || -> Result<(), String> {
+                let run = || -> handoff::Result<Result<(), String>> {
+                    let dev = Device::new(rank)?;
+                    let opts = CommOptions::default()
+                        .with_timeout(Duration::from_secs(20))
+                        .with_blocking(blocking);
+                    let comm = Communicator::with_options(&dev, 2, rank, &id, opts)?;
+                    let first = comm.split((rank == 0).then_some(0), 0)?;
+                    match (&first, rank) {
+                        (Some(c), 0) if c.world_size() == 1 => {}
+                        (None, 1) => {}
+                        _ => return Ok(Err(format!("first split gave {first:?}"))),
+                    }
+                    let both = comm.split(Some(1), 0)?.ok_or("no communicator".to_string());
+                    let both = match both {
+                        Ok(b) => b,
+                        Err(e) => return Ok(Err(e)),
+                    };
+                    if (both.rank(), both.world_size()) != (rank, 2) {
+                        return Ok(Err(format!("second split gave {both:?}")));
+                    }
+                    let s = Stream::new(&dev)?;
+                    let (x, mut y) = x_and_y(rank, &s)?;
+                    let op = if rank == 1 { ReduceOp::Max } else { ReduceOp::Sum };
+                    match both.all_reduce(&x, &mut y, op, &s) {
+                        Err(Error::Mismatch { .. }) => {}
+                        other => return Ok(Err(format!("expected a mismatch, got {other:?}"))),
+                    }
+                    drop(both);
+                    let again = comm
+                        .split(Some(1), 0)?
+                        .ok_or(Error::InvalidArgument("none".into()))?;
+                    again.all_reduce(&x, &mut y, ReduceOp::Sum, &s)?;
+                    let got = y.to_vec(&s)?;
+                    Ok((0..N)
+                        .find(|&i| got[i] != reduce_host(ReduceOp::Sum, 2, i))
+                        .map_or(Ok(()), |i| Err(format!("element {i} is {}", got[i]))))
+                };
+                run()
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r)
+                    .map_err(|e| format!("rank {rank}: {e}"))
+            })
+        })
+        .collect();
+    let mut errors = Vec::new();
+    for h in handles {
+        if let Err(e) = h.join().map_err(|_| "panicked".to_string()).and_then(|r| r) {
+            errors.push(e);
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; ").into())
+    }
+}
+
+/// Non-blocking: rank 0 splits, rank 1 never does. Rank 0's split times out within its
+/// timeout, and its parent, which the split may have half used, is aborted.
+fn split_times_out() -> Result<(), Failed> {
+    let id = UniqueId::new()?;
+    let timeout = Duration::from_secs(2);
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let id = id.clone();
+            std::thread::spawn(move || -> Result<(), String> {
+                let run = || -> handoff::Result<Result<(), String>> {
+                    let dev = Device::new(rank)?;
+                    let opts = CommOptions::default().with_timeout(timeout).with_blocking(false);
+                    let comm = Communicator::with_options(&dev, 2, rank, &id, opts)?;
+                    if rank == 1 {
+                        std::thread::sleep(3 * timeout);
+                        return Ok(Ok(()));
+                    }
+                    let t = std::time::Instant::now();
+                    let r = comm.split(Some(0), 0);
+                    let took = t.elapsed();
+                    println!("rank 0's split returned after {took:?}: {r:?}");
+                    Ok(match r {
+                        Err(Error::Timeout { .. })
+                            if took < 2 * timeout && comm.broken_reason().is_some() =>
+                        {
+                            Ok(())
+                        }
+                        other => Err(format!(
+                            "expected a timeout within {:?} and the parent broken, got {other:?} after \
+                             {took:?}, broken: {:?}",
+                            2 * timeout,
+                            comm.broken_reason()
+                        )),
+                    })
+                };
+                run()
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r)
+                    .map_err(|e| format!("rank {rank}: {e}"))
+            })
+        })
+        .collect();
+    let errors: Vec<String> = handles
+        .into_iter()
+        .filter_map(|h| h.join().map_err(|_| "panicked".to_string()).and_then(|r| r).err())
+        .collect();
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; ").into())
+    }
 }

@@ -215,7 +215,7 @@ impl fmt::Debug for Communicator {
 }
 
 impl Communicator {
-    fn wrap(
+    pub(super) fn wrap(
         raw: ncclComm_t,
         device: &Device,
         world: usize,
@@ -321,6 +321,11 @@ impl Communicator {
                 )));
             }
         }
+        // Every device usable before the group: a rank that fails to join it would leave the
+        // ranks queued before it waiting for it at `ncclGroupEnd`.
+        for d in devices {
+            d.set_current()?;
+        }
         let id = UniqueId::new()?.raw();
         let started = Instant::now();
         let mut comms = Vec::with_capacity(world);
@@ -383,13 +388,13 @@ impl Communicator {
         Ok(comms)
     }
 
-    fn attach(&mut self, regions: Arc<[Arc<Region>]>) {
+    pub(super) fn attach(&mut self, regions: Arc<[Arc<Region>]>) {
         self.shared.lock().regions = Some(regions.clone());
         self.boxes = Some(Mailboxes::new(self.rank, regions));
     }
 
     /// Breaks the communicator on an error during creation.
-    fn fail_on<T>(&self, r: Result<T>) -> Result<T> {
+    pub(super) fn fail_on<T>(&self, r: Result<T>) -> Result<T> {
         if let Err(e) = &r {
             self.break_with(e);
         }
@@ -400,7 +405,7 @@ impl Communicator {
     /// is; every rank then maps its peers' mailboxes and says whether it could. Any
     /// disagreement or failure is an error on every rank, so no rank verifies alone (issue 9,
     /// hole 2: a verifying rank's checks would be read by an unverified one as payload).
-    fn settle_verification(&mut self) -> Result<()> {
+    pub(super) fn settle_verification(&mut self) -> Result<()> {
         let (world, rank, verified) = (self.world, self.rank, self.options.verified());
         if world == 1 {
             if verified {

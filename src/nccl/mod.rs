@@ -1,6 +1,6 @@
 //! The NCCL side: [`UniqueId`], [`CommOptions`], [`Communicator`] with point-to-point
-//! [`Communicator::send`] and [`Communicator::recv`], [`group`]s of them, and the verification
-//! and watchdog that keep them safe.
+//! [`Communicator::send`] and [`Communicator::recv`], collectives, [`group`]s of them,
+//! [`Communicator::split`], and the verification and watchdog that keep them safe.
 //!
 //! # How a transfer stays safe
 //! A send is a *read* of its buffer and a receive a *write*, in the same use tracking as every
@@ -29,6 +29,7 @@ mod communicator;
 mod group;
 mod id;
 mod options;
+mod split;
 mod types;
 mod verify;
 mod watchdog;

@@ -224,6 +224,53 @@ pub unsafe fn comm_abort(comm: ncclComm_t) -> Result<()> {
     check("ncclCommAbort", unsafe { lib()?.ncclCommAbort(comm) })
 }
 
+/// `ncclCommSplit`: makes this rank's communicator of `color` (`NCCL_SPLIT_NOCOLOR`, -1, for
+/// none), ranked by `key`, and writes its handle to `*newcomm` (null for no color). Returns
+/// whether the split is still in progress: NCCL writes `*newcomm` when the split's job runs,
+/// which inside a group is at the outermost `ncclGroupEnd`, and for a non-blocking
+/// communicator on a thread of NCCL's after this returns (poll the parent with [`wait_ready`]).
+///
+/// # Safety
+/// `comm` is a live communicator, not used concurrently by another thread; `newcomm` stays
+/// valid and is not read until the split has finished (the group ended, the parent polled
+/// ready) or the parent has been aborted; `config` comes from [`config_initializer`]; every
+/// rank of `comm` calls this, in one group where ranks share a thread; no other raw group is
+/// open on this thread (see [`group_start`]).
+pub unsafe fn comm_split(
+    comm: ncclComm_t,
+    color: i32,
+    key: i32,
+    newcomm: *mut ncclComm_t,
+    config: &mut ncclConfig_t,
+) -> Result<bool> {
+    // SAFETY: the caller vouches for the parent, `newcomm` and the config, which NCCL reads
+    // during the call.
+    let rc = unsafe { lib()?.ncclCommSplit(comm, color, key, newcomm, config) };
+    if rc == ncclResult_t::ncclInProgress {
+        return Ok(true);
+    }
+    check("ncclCommSplit", rc).map(|()| false)
+}
+
+/// `ncclCommCount` and `ncclCommUserRank`: the communicator's size and this rank in it.
+///
+/// # Safety
+/// `comm` is a live communicator that has finished initializing.
+pub unsafe fn comm_world_rank(comm: ncclComm_t) -> Result<(usize, usize)> {
+    let (mut world, mut rank) = (0, 0);
+    // SAFETY: the caller vouches for the handle; both write one int.
+    unsafe {
+        check("ncclCommCount", lib()?.ncclCommCount(comm, &mut world))?;
+        check("ncclCommUserRank", lib()?.ncclCommUserRank(comm, &mut rank))?;
+    }
+    match (usize::try_from(world), usize::try_from(rank)) {
+        (Ok(w), Ok(r)) if r < w => Ok((w, r)),
+        _ => Err(Error::Setup {
+            detail: format!("NCCL reports rank {rank} of {world} ranks for a communicator"),
+        }),
+    }
+}
+
 /// `ncclGroupStart`: operations issued on this thread until the matching [`group_end`] are
 /// queued by it, not before.
 ///

@@ -177,6 +177,13 @@ pub struct NcclLib {
     pub ncclCommFinalize: unsafe extern "C" fn(comm: ncclComm_t) -> ncclResult_t,
     pub ncclCommDestroy: unsafe extern "C" fn(comm: ncclComm_t) -> ncclResult_t,
     pub ncclCommAbort: unsafe extern "C" fn(comm: ncclComm_t) -> ncclResult_t,
+    pub ncclCommSplit: unsafe extern "C" fn(
+        comm: ncclComm_t,
+        color: ::std::os::raw::c_int,
+        key: ::std::os::raw::c_int,
+        newcomm: *mut ncclComm_t,
+        config: *mut ncclConfig_t,
+    ) -> ncclResult_t,
     pub ncclGetErrorString: unsafe extern "C" fn(
         result: ncclResult_t,
     ) -> *const ::std::os::raw::c_char,
@@ -312,6 +319,7 @@ impl NcclLib {
         let ncclCommFinalize = __library.get(b"ncclCommFinalize\0").map(|sym| *sym)?;
         let ncclCommDestroy = __library.get(b"ncclCommDestroy\0").map(|sym| *sym)?;
         let ncclCommAbort = __library.get(b"ncclCommAbort\0").map(|sym| *sym)?;
+        let ncclCommSplit = __library.get(b"ncclCommSplit\0").map(|sym| *sym)?;
         let ncclGetErrorString = __library.get(b"ncclGetErrorString\0").map(|sym| *sym)?;
         let ncclGetLastError = __library.get(b"ncclGetLastError\0").map(|sym| *sym)?;
         let ncclCommGetAsyncError = __library
@@ -342,6 +350,7 @@ impl NcclLib {
             ncclCommFinalize,
             ncclCommDestroy,
             ncclCommAbort,
+            ncclCommSplit,
             ncclGetErrorString,
             ncclGetLastError,
             ncclCommGetAsyncError,
@@ -406,6 +415,16 @@ impl NcclLib {
     }
     pub unsafe fn ncclCommAbort(&self, comm: ncclComm_t) -> ncclResult_t {
         (self.ncclCommAbort)(comm)
+    }
+    pub unsafe fn ncclCommSplit(
+        &self,
+        comm: ncclComm_t,
+        color: ::std::os::raw::c_int,
+        key: ::std::os::raw::c_int,
+        newcomm: *mut ncclComm_t,
+        config: *mut ncclConfig_t,
+    ) -> ncclResult_t {
+        (self.ncclCommSplit)(comm, color, key, newcomm, config)
     }
     pub unsafe fn ncclGetErrorString(
         &self,
