@@ -9,7 +9,9 @@
 //! [`Launch::from_env`] reads, in this order: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`;
 //! Slurm's `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`; Open MPI's `OMPI_COMM_WORLD_RANK`,
 //! `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`. The address always comes from
-//! `MASTER_ADDR` and `MASTER_PORT` (torchrun sets them; under Slurm or mpirun, export them).
+//! `MASTER_ADDR` and `MASTER_PORT` (torchrun sets them; under Slurm or mpirun, export them), the
+//! port from `HANDOFF_PORT` instead where it is set: torchrun's own store already listens on
+//! `MASTER_PORT` on rank 0's host.
 //!
 //! # Wire format (version 1)
 //! The client sends 8 bytes: `HNDOFF`, 0, version. The server answers 8 bytes (`HNDOFF`, 0, its
@@ -101,13 +103,17 @@ impl Launch {
             )));
         }
         let local_rank = num(local_var)?.unwrap_or(rank);
-        let (addr, port) = (var("MASTER_ADDR"), var("MASTER_PORT"));
-        let master = match (addr, port) {
-            (Some(a), Some(p)) => {
+        // torchrun's own store listens on MASTER_PORT on rank 0's host: HANDOFF_PORT names
+        // another port for the id.
+        let port = var("HANDOFF_PORT")
+            .map(|p| ("HANDOFF_PORT", p))
+            .or_else(|| var("MASTER_PORT").map(|p| ("MASTER_PORT", p)));
+        let master = match (var("MASTER_ADDR"), port) {
+            (Some(a), Some((name, p))) => {
                 let port: u16 = p
                     .trim()
                     .parse()
-                    .map_err(|_| Error::InvalidArgument(format!("MASTER_PORT={p:?} is not a port number")))?;
+                    .map_err(|_| Error::InvalidArgument(format!("{name}={p:?} is not a port number")))?;
                 format!("{}:{port}", a.trim())
             }
             _ if world_size == 1 => String::new(),
@@ -463,6 +469,24 @@ mod tests {
                 launcher: "torchrun"
             }
         );
+    }
+
+    #[test]
+    fn handoff_port_wins_over_master_port() {
+        let torchrun = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let l = Launch::from_vars(vars(
+            &[torchrun.as_slice(), &[("HANDOFF_PORT", "29501")]].concat(),
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(l.master, "node0:29501");
+        let e = Launch::from_vars(vars(&[torchrun.as_slice(), &[("HANDOFF_PORT", "x")]].concat()));
+        assert!(matches!(e, Err(Error::InvalidArgument(m)) if m.contains("HANDOFF_PORT")));
     }
 
     #[test]
