@@ -46,11 +46,9 @@ fn main() {
             split_alone,
         ),
         g.trial("split_all_into_single_rank_halves_and_back", 2, split_halves),
-        g.trial(
-            "split_all_with_keys_reversed_reorders_the_ranks",
-            2,
-            split_reordered,
-        ),
+        g.trial("split_all_with_keys_reversed_reorders_the_ranks", 2, || {
+            split_reordered(true)
+        }),
         g.trial(
             "split_on_threads_leaves_a_rank_out_and_verifies_the_child",
             2,
@@ -61,10 +59,18 @@ fn main() {
             2,
             || split_on_threads(false),
         ),
+        g.trial("a_non_blocking_split_a_rank_never_joins_times_out", 2, || {
+            split_times_out(Some(0))
+        }),
         g.trial(
-            "a_non_blocking_split_a_rank_never_joins_times_out",
+            "a_non_blocking_split_a_rank_never_joins_times_out_for_a_rank_left_out",
             2,
-            split_times_out,
+            || split_times_out(None),
+        ),
+        g.trial(
+            "non_blocking_split_all_with_keys_reversed_reorders_the_ranks",
+            2,
+            || split_reordered(false),
         ),
     ]);
 }
@@ -571,9 +577,9 @@ fn split_halves() -> Result<(), Failed> {
 
 /// One color, keys reversed: the child's rank 0 is the parent's rank 1, which an all_gather's
 /// order shows; the children of one color are driven together, like `init_all`'s.
-fn split_reordered() -> Result<(), Failed> {
+fn split_reordered(blocking: bool) -> Result<(), Failed> {
     let devs = [Device::new(0)?, Device::new(1)?];
-    let comms = Communicator::init_all(&devs)?;
+    let comms = Communicator::init_all_with(&devs, CommOptions::default().with_blocking(blocking))?;
     let ss = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
     let kids = Communicator::split_all(&comms, &[(Some(2), 10), (Some(2), 5)])?;
     let kids: Vec<&Communicator> = kids.iter().flatten().collect();
@@ -667,9 +673,10 @@ fn split_on_threads(blocking: bool) -> Result<(), Failed> {
     }
 }
 
-/// Non-blocking: rank 0 splits, rank 1 never does. Rank 0's split times out within its
-/// timeout, and its parent, which the split may have half used, is aborted.
-fn split_times_out() -> Result<(), Failed> {
+/// Non-blocking: rank 0 splits (into `color`), rank 1 never does. Rank 0's split times out
+/// within its timeout, and its parent, which the split may have half used, is aborted. Left
+/// out (`None`), NCCL 2.28 would crash here if handed its "no color".
+fn split_times_out(color: Option<u32>) -> Result<(), Failed> {
     let id = UniqueId::new()?;
     let timeout = Duration::from_secs(2);
     let handles: Vec<_> = (0..2)
@@ -678,14 +685,18 @@ fn split_times_out() -> Result<(), Failed> {
             std::thread::spawn(move || -> Result<(), String> {
                 let run = || -> handoff::Result<Result<(), String>> {
                     let dev = Device::new(rank)?;
-                    let opts = CommOptions::default().with_timeout(timeout).with_blocking(false);
-                    let comm = Communicator::with_options(&dev, 2, rank, &id, opts)?;
+                    // Made with a long timeout (tests run in parallel), split with a short one.
+                    let opts = CommOptions::default()
+                        .with_timeout(Duration::from_secs(20))
+                        .with_blocking(false);
+                    let mut comm = Communicator::with_options(&dev, 2, rank, &id, opts)?;
+                    comm.set_timeout(timeout);
                     if rank == 1 {
                         std::thread::sleep(3 * timeout);
                         return Ok(Ok(()));
                     }
                     let t = std::time::Instant::now();
-                    let r = comm.split(Some(0), 0);
+                    let r = comm.split(color, 0);
                     let took = t.elapsed();
                     println!("rank 0's split returned after {took:?}: {r:?}");
                     Ok(match r {

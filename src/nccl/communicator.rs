@@ -65,6 +65,9 @@ pub struct Communicator {
     pub(crate) boxes: Option<Mailboxes>,
     /// Identifies the ranks made together by one `init_all`.
     pub(crate) clique: Option<Arc<()>>,
+    /// `NCCL_COMM_SPLIT_SHARE_RESOURCES` as it was when this communicator was made (NCCL reads
+    /// it then): whether its children would share its resources.
+    pub(crate) split_share: Option<String>,
     /// NCCL calls on one communicator must not run concurrently: not `Sync`.
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -131,7 +134,10 @@ impl State {
             mine.set_broken();
         }
         let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
-        if !raw.is_null() && crate::result::set_device(ordinal).is_ok() {
+        if !raw.is_null() {
+            // Best effort: NCCL sets the communicator's device itself, and the abort must
+            // happen whatever (it also ends a split still writing a child's handle).
+            let _ = crate::result::set_device(ordinal);
             // SAFETY: `raw` was live and is not used again (now null).
             let _ = unsafe { nc::comm_abort(raw) };
         }
@@ -242,6 +248,7 @@ impl Communicator {
             options,
             boxes: None,
             clique: None,
+            split_share: std::env::var("NCCL_COMM_SPLIT_SHARE_RESOURCES").ok(),
             _not_sync: PhantomData,
         }
     }

@@ -11,19 +11,32 @@ use crate::nccl::options::CommOptions;
 use crate::nccl::verify::mailbox::Region;
 use crate::nccl::watchdog;
 use crate::result::nccl as nc;
-use crate::sys::nccl::{NCCL_SPLIT_NOCOLOR, ncclComm_t};
+use crate::sys::nccl::ncclComm_t;
 
-/// NCCL's color for `color`: non-negative, or `NCCL_SPLIT_NOCOLOR` for none.
-fn nccl_color(color: Option<u32>) -> Result<i32> {
-    match color {
-        None => Ok(NCCL_SPLIT_NOCOLOR),
-        Some(c) => i32::try_from(c).map_err(|_| {
-            Error::InvalidArgument(format!(
-                "split color {c} is above NCCL's largest, {}: use a smaller color",
-                i32::MAX
-            ))
-        }),
-    }
+/// Colors from here up are handoff's: a rank left out splits into a color of its own,
+/// `LEFT_OUT + rank`, and its one-rank child is aborted at once. NCCL's own "no color"
+/// (`NCCL_SPLIT_NOCOLOR`) is never passed: on 2.28, a rank without a color whose split fails
+/// (a peer died, a timeout) makes NCCL write through a null communicator and crash.
+const LEFT_OUT: u32 = 1 << 30;
+
+/// NCCL's color for `color` on parent rank `rank`.
+fn nccl_color(color: Option<u32>, rank: usize) -> Result<i32> {
+    let c = match color {
+        Some(c) if c < LEFT_OUT => c,
+        Some(c) => {
+            return Err(Error::InvalidArgument(format!(
+                "split color {c} is too large: colors go up to {} (those above are handoff's, for \
+                 ranks left out)",
+                LEFT_OUT - 1
+            )));
+        }
+        None => u32::try_from(rank)
+            .ok()
+            .and_then(|r| LEFT_OUT.checked_add(r))
+            .filter(|&c| c <= i32::MAX as u32)
+            .ok_or_else(|| Error::InvalidArgument(format!("rank {rank} is too large to split")))?,
+    };
+    Ok(c as i32)
 }
 
 /// Which ranks of `splits` land together: for each, the index of the first rank with its color
@@ -50,8 +63,9 @@ impl Communicator {
     /// after the timeout.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a color above `i32::MAX`, or for a rank made by
-    /// [`Communicator::init_all`] (splitting it alone would wait for the other ranks forever);
+    /// [`Error::InvalidArgument`] for a color of 2^30 or more (those are handoff's), or for a
+    /// rank made by [`Communicator::init_all`] (splitting it alone would wait for the other
+    /// ranks forever);
     /// [`Error::CommunicatorUnusable`] once this communicator is broken; NCCL errors;
     /// [`Error::Timeout`]; [`Error::Setup`] when the new communicator's ranks cannot set up
     /// verification (as for [`Communicator::new`]); [`Error::InvalidArgument`] when
@@ -66,8 +80,9 @@ impl Communicator {
                 self.rank()
             )));
         }
-        let color = nccl_color(color)?;
-        refuse_shared_resources()?;
+        let left_out = color.is_none();
+        let color = nccl_color(color, self.rank())?;
+        refuse_shared_resources(self)?;
         let started = Instant::now();
         let options = self.child_options();
         let mut config = options.config();
@@ -84,14 +99,11 @@ impl Communicator {
             // outside any group: no raw group is open on this thread (`group_start` is unsafe
             // and requires that).
             let done =
-                unsafe { nc::comm_split(parent, color, key, &mut child, &mut config) }.and_then(|pending| {
-                    if pending {
-                        // SAFETY: `parent` is live and locked. NCCL marks the parent in progress
-                        // until the split's job ends, for every rank, colored or not.
-                        unsafe { nc::wait_ready(parent, "ncclCommSplit", started, options.timeout()) }
-                    } else {
-                        Ok(())
-                    }
+                unsafe { nc::comm_split(parent, color, key, &mut child, &mut config) }.and_then(|_| {
+                    // Non-blocking, NCCL 2.28 answers success while the split's job still runs:
+                    // the parent, in progress until the job has stored the child, is polled always.
+                    // SAFETY: `parent` is live and locked.
+                    unsafe { nc::wait_ready(parent, "ncclCommSplit", started, options.timeout()) }
                 });
             if let Err(e) = done {
                 // The split may still be running: aborting the parent ends it (NCCL joins the
@@ -101,7 +113,9 @@ impl Communicator {
                 return Err(e);
             }
         }
-        if child.is_null() {
+        if left_out || child.is_null() {
+            // A left-out rank's own one-rank communicator is not wanted.
+            abort_child(child);
             return Ok(None);
         }
         let mut comm = self.adopt(child, options, started)?;
@@ -141,11 +155,14 @@ impl Communicator {
                 splits.len()
             )));
         }
-        let colors = splits
+        let colors = comms
             .iter()
-            .map(|(c, _)| nccl_color(*c))
+            .zip(splits)
+            .map(|(c, (color, _))| nccl_color(*color, c.rank()))
             .collect::<Result<Vec<i32>>>()?;
-        refuse_shared_resources()?;
+        for c in comms {
+            refuse_shared_resources(c)?;
+        }
         let started = Instant::now();
         let options: Vec<CommOptions> = comms.iter().map(Communicator::child_options).collect();
         let timeout = options.iter().map(CommOptions::timeout).max().expect("not empty");
@@ -162,7 +179,6 @@ impl Communicator {
         let mut children: Vec<ncclComm_t> = vec![std::ptr::null_mut(); comms.len()];
         let slots = children.as_mut_ptr();
         let mut first_err = None;
-        let mut pending = false;
         // SAFETY: no raw group is open on this thread (`group_start` is unsafe and requires
         // that); closed below.
         unsafe { nc::group_start() }?;
@@ -172,7 +188,7 @@ impl Communicator {
             // outlives the split (see above); the config comes from `config_initializer`; every
             // rank of the parent is split in this group.
             match unsafe { nc::comm_split(*parent, *color, *key, slots.add(i), &mut config) } {
-                Ok(p) => pending |= p,
+                Ok(_) => {}
                 Err(e) => {
                     first_err = Some(e);
                     break;
@@ -180,16 +196,13 @@ impl Communicator {
             }
         }
         // SAFETY: closes the group opened above, on this thread.
-        match unsafe { nc::group_end() } {
-            Ok(p) => pending |= p,
-            Err(e) => {
-                first_err.get_or_insert(e);
-            }
+        if let Err(e) = unsafe { nc::group_end() } {
+            first_err.get_or_insert(e);
         }
-        if first_err.is_none() && pending {
+        if first_err.is_none() {
             for parent in &parents {
                 // SAFETY: each parent is live and locked; NCCL marks it in progress until its
-                // split's job ends.
+                // split's job has stored the child (immediately ready when blocking).
                 if let Err(e) = unsafe { nc::wait_ready(*parent, "ncclCommSplit", started, timeout) } {
                     first_err = Some(e);
                     break;
@@ -209,8 +222,9 @@ impl Communicator {
         // Adopt every child (aborting the rest on an error), then give each color its mailboxes.
         let mut out: Vec<Option<Communicator>> = Vec::with_capacity(comms.len());
         let mut rest = children.into_iter().zip(options);
-        for (c, (child, opts)) in comms.iter().zip(rest.by_ref()) {
-            if child.is_null() {
+        for ((c, (color, _)), (child, opts)) in comms.iter().zip(splits).zip(rest.by_ref()) {
+            if color.is_none() || child.is_null() {
+                abort_child(child);
                 out.push(None);
                 continue;
             }
@@ -234,7 +248,11 @@ impl Communicator {
                 .map(|r| Arc::new(Region::in_process(world, r)))
                 .collect();
             for &j in &members {
-                let comm = out[j].as_mut().expect("a member has a child");
+                let Some(comm) = out[j].as_mut() else {
+                    return Err(Error::Setup {
+                        detail: format!("NCCL made no communicator for color {:?}", splits[j].0),
+                    });
+                };
                 if comm.world_size() != world {
                     return Err(Error::Setup {
                         detail: format!(
@@ -282,7 +300,10 @@ impl Communicator {
 /// With `NCCL_COMM_SPLIT_SHARE_RESOURCES` set, NCCL lets a child share its parent's resources,
 /// abort flag included, whatever the config says: the watchdog's abort of one would then cut
 /// the other's kernels short unreported.
-fn refuse_shared_resources() -> Result<()> {
+/// NCCL reads the variable when the parent is made (and caches it): checked as it was then and
+/// as it is now.
+fn refuse_shared_resources(parent: &Communicator) -> Result<()> {
+    shared_resources_refused(parent.split_share.clone())?;
     shared_resources_refused(std::env::var("NCCL_COMM_SPLIT_SHARE_RESOURCES").ok())
 }
 
@@ -311,12 +332,14 @@ mod tests {
 
     #[test]
     fn colors_map_to_nccl() {
-        assert_eq!(nccl_color(None).unwrap(), -1);
-        assert_eq!(nccl_color(Some(7)).unwrap(), 7);
-        assert!(matches!(
-            nccl_color(Some(u32::MAX)),
-            Err(Error::InvalidArgument(_))
-        ));
+        // A rank left out gets a color of its own, never NCCL's NOCOLOR.
+        assert_eq!(nccl_color(None, 3).unwrap(), (LEFT_OUT + 3) as i32);
+        assert_ne!(nccl_color(None, 0).unwrap(), nccl_color(None, 1).unwrap());
+        assert_eq!(nccl_color(Some(7), 3).unwrap(), 7);
+        for c in [LEFT_OUT, u32::MAX] {
+            assert!(matches!(nccl_color(Some(c), 0), Err(Error::InvalidArgument(_))));
+        }
+        assert!(nccl_color(None, usize::MAX).is_err());
     }
 
     #[test]

@@ -225,10 +225,12 @@ pub unsafe fn comm_abort(comm: ncclComm_t) -> Result<()> {
 }
 
 /// `ncclCommSplit`: makes this rank's communicator of `color` (`NCCL_SPLIT_NOCOLOR`, -1, for
-/// none), ranked by `key`, and writes its handle to `*newcomm` (null for no color). Returns
-/// whether the split is still in progress: NCCL writes `*newcomm` when the split's job runs,
-/// which inside a group is at the outermost `ncclGroupEnd`, and for a non-blocking
-/// communicator on a thread of NCCL's after this returns (poll the parent with [`wait_ready`]).
+/// none), ranked by `key`, and writes its handle to `*newcomm` (null for no color). NCCL writes
+/// `*newcomm` when the split's job runs: inside a group at the outermost `ncclGroupEnd`, and for
+/// a non-blocking communicator on a thread of NCCL's after this returns, even when it returned
+/// success (NCCL 2.28): poll the parent with [`wait_ready`] before reading `*newcomm`. The
+/// `bool` is `true` when NCCL answered `ncclInProgress`. On 2.28 a rank with no color whose
+/// split then fails crashes inside NCCL; handoff gives such ranks a color of their own.
 ///
 /// # Safety
 /// `comm` is a live communicator, not used concurrently by another thread; `newcomm` stays
