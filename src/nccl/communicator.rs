@@ -65,9 +65,6 @@ pub struct Communicator {
     pub(crate) boxes: Option<Mailboxes>,
     /// Identifies the ranks made together by one `init_all`.
     pub(crate) clique: Option<Arc<()>>,
-    /// `NCCL_COMM_SPLIT_SHARE_RESOURCES` as it was when this communicator was made (NCCL reads
-    /// it then): whether its children would share its resources.
-    pub(crate) split_share: Option<String>,
     /// NCCL calls on one communicator must not run concurrently: not `Sync`.
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -248,7 +245,6 @@ impl Communicator {
             options,
             boxes: None,
             clique: None,
-            split_share: std::env::var("NCCL_COMM_SPLIT_SHARE_RESOURCES").ok(),
             _not_sync: PhantomData,
         }
     }
@@ -280,6 +276,7 @@ impl Communicator {
     ) -> Result<Communicator> {
         check_world_rank(world, rank)?;
         device.set_current()?;
+        crate::nccl::split::note_nccl_environment();
         let started = Instant::now();
         let mut config = options.config();
         // SAFETY: the config comes from `config_initializer` with only `blocking` changed; no
@@ -333,6 +330,7 @@ impl Communicator {
         for d in devices {
             d.set_current()?;
         }
+        crate::nccl::split::note_nccl_environment();
         let id = UniqueId::new()?.raw();
         let started = Instant::now();
         let mut comms = Vec::with_capacity(world);

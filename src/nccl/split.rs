@@ -2,7 +2,7 @@
 //! for ranks on their own threads or processes, [`Communicator::split_all`] for the ranks one
 //! thread made together with [`Communicator::init_all`].
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use crate::error::{Error, Result};
@@ -71,7 +71,8 @@ impl Communicator {
     /// verification (as for [`Communicator::new`]); [`Error::InvalidArgument`] when
     /// `NCCL_COMM_SPLIT_SHARE_RESOURCES` is set (a child would share its parent's abort). When
     /// NCCL's split fails or times out, this communicator is aborted too: the split may have
-    /// been half done.
+    /// been half done (NCCL 2.28 then keeps some of the half-made child's memory: its abort
+    /// frees only communicators that finished initializing).
     pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
         if self.clique.is_some() {
             return Err(Error::InvalidArgument(format!(
@@ -82,7 +83,7 @@ impl Communicator {
         }
         let left_out = color.is_none();
         let color = nccl_color(color, self.rank())?;
-        refuse_shared_resources(self)?;
+        refuse_shared_resources()?;
         let started = Instant::now();
         let options = self.child_options();
         let mut config = options.config();
@@ -113,10 +114,15 @@ impl Communicator {
                 return Err(e);
             }
         }
-        if left_out || child.is_null() {
+        if left_out {
             // A left-out rank's own one-rank communicator is not wanted.
             abort_child(child);
             return Ok(None);
+        }
+        if child.is_null() {
+            return Err(Error::Setup {
+                detail: "ncclCommSplit made no communicator for this rank's color".into(),
+            });
         }
         let mut comm = self.adopt(child, options, started)?;
         let r = comm.settle_verification();
@@ -160,9 +166,7 @@ impl Communicator {
             .zip(splits)
             .map(|(c, (color, _))| nccl_color(*color, c.rank()))
             .collect::<Result<Vec<i32>>>()?;
-        for c in comms {
-            refuse_shared_resources(c)?;
-        }
+        refuse_shared_resources()?;
         let started = Instant::now();
         let options: Vec<CommOptions> = comms.iter().map(Communicator::child_options).collect();
         let timeout = options.iter().map(CommOptions::timeout).max().expect("not empty");
@@ -176,6 +180,10 @@ impl Communicator {
             .collect::<Result<Vec<ncclComm_t>>>()?;
         // NCCL writes each child's handle here at the group's end (or later, non-blocking):
         // not resized or read until every split has finished or its parent is aborted.
+        // The configs are alike but for timeouts (one clique, made with one setting): NCCL 2.28
+        // fails a group mixing blocking and non-blocking children after linking the child's
+        // abort flag to the parent, which the parent's abort would then write once freed.
+        debug_assert!(options.iter().all(|o| o.blocking() == options[0].blocking()));
         let mut children: Vec<ncclComm_t> = vec![std::ptr::null_mut(); comms.len()];
         let slots = children.as_mut_ptr();
         let mut first_err = None;
@@ -300,11 +308,21 @@ impl Communicator {
 /// With `NCCL_COMM_SPLIT_SHARE_RESOURCES` set, NCCL lets a child share its parent's resources,
 /// abort flag included, whatever the config says: the watchdog's abort of one would then cut
 /// the other's kernels short unreported.
-/// NCCL reads the variable when the parent is made (and caches it): checked as it was then and
-/// as it is now.
-fn refuse_shared_resources(parent: &Communicator) -> Result<()> {
-    shared_resources_refused(parent.split_share.clone())?;
-    shared_resources_refused(std::env::var("NCCL_COMM_SPLIT_SHARE_RESOURCES").ok())
+/// NCCL reads the variable once per process, at its first communicator, and keeps that value:
+/// checked as it was then and as it is now.
+fn refuse_shared_resources() -> Result<()> {
+    shared_resources_refused(FIRST_SPLIT_SHARE.get().cloned().flatten())?;
+    shared_resources_refused(std::env::var(SPLIT_SHARE).ok())
+}
+
+const SPLIT_SHARE: &str = "NCCL_COMM_SPLIT_SHARE_RESOURCES";
+
+/// `NCCL_COMM_SPLIT_SHARE_RESOURCES` before handoff's first communicator of this process.
+static FIRST_SPLIT_SHARE: OnceLock<Option<String>> = OnceLock::new();
+
+/// Records what NCCL will read at the first communicator: called before each is made.
+pub(crate) fn note_nccl_environment() {
+    FIRST_SPLIT_SHARE.get_or_init(|| std::env::var(SPLIT_SHARE).ok());
 }
 
 fn shared_resources_refused(value: Option<String>) -> Result<()> {

@@ -229,8 +229,8 @@ pub unsafe fn comm_abort(comm: ncclComm_t) -> Result<()> {
 /// `*newcomm` when the split's job runs: inside a group at the outermost `ncclGroupEnd`, and for
 /// a non-blocking communicator on a thread of NCCL's after this returns, even when it returned
 /// success (NCCL 2.28): poll the parent with [`wait_ready`] before reading `*newcomm`. The
-/// `bool` is `true` when NCCL answered `ncclInProgress`. On 2.28 a rank with no color whose
-/// split then fails crashes inside NCCL; handoff gives such ranks a color of their own.
+/// `bool` is `true` when NCCL answered `ncclInProgress`. On 2.28 a rank passing no color whose
+/// split then fails crashes inside NCCL, which is why handoff's safe split never passes it.
 ///
 /// # Safety
 /// `comm` is a live communicator, not used concurrently by another thread; `newcomm` stays
