@@ -1,8 +1,10 @@
 //! Collectives benchmark: handoff's verified and unverified collectives against the raw NCCL
-//! calls, in the same process, on the same buffers and streams, interleaved; two ranks in one
-//! process (GPUs 0 and 1).
+//! calls, in the same process, on the same buffers and streams, interleaved; two ranks (GPUs 0
+//! and 1) in one process (`--mode inproc`) or in two processes through the bootstrap
+//! (`--mode procs`, rank 0 reports).
 //!
-//! `cargo bench --bench collectives -- --op all-reduce` (`--help` for the options)
+//! `cargo bench --bench collectives -- --op all-reduce [--mode procs]` (`--help` for the
+//! options)
 //!
 //! For each size, after `--warmup` untimed iterations, `--repeats` timed runs of `--iters`
 //! iterations of each way, rotating verified, unverified and raw; each run is timed with CUDA
@@ -17,7 +19,7 @@ use clap::{Parser, ValueEnum};
 use handoff::result::nccl as raw;
 use handoff::sys::nccl::{ncclDataType_t, ncclRedOp_t};
 use handoff::{
-    CommOptions, Communicator, Device, DeviceBuffer, Event, Group, NcclType, ReduceOp, Stream, group,
+    CommOptions, Communicator, Device, DeviceBuffer, Event, Group, Launch, NcclType, ReduceOp, Stream, group,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -40,9 +42,21 @@ impl Op {
     }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    /// Two ranks in this process.
+    #[value(name = "inproc")]
+    InProc,
+    /// Two processes through the bootstrap, one rank each.
+    #[value(name = "procs")]
+    Procs,
+}
+
 #[derive(Parser, Debug)]
-#[command(about = "handoff's collectives against raw NCCL, two GPUs in one process")]
+#[command(about = "handoff's collectives against raw NCCL, on two GPUs")]
 struct Opts {
+    #[arg(long, value_enum, default_value = "inproc")]
+    mode: Mode,
     /// The collectives to time.
     #[arg(long, value_enum, num_args = 1.., default_values_t = [Op::AllReduce, Op::AllGather, Op::ReduceScatter, Op::Broadcast, Op::AllToAll])]
     op: Vec<Op>,
@@ -116,19 +130,19 @@ fn post_safe<'a>(
     }
 }
 
+/// This process's ranks' collectives, in one group.
 fn run_safe(op: Op, comms: &[Communicator], ranks: &mut [Rank], count: usize) -> handoff::Result<()> {
-    let [r0, r1] = ranks else {
-        unreachable!("two ranks")
-    };
-    group(|g| {
-        post_safe(g, op, &comms[0], r0, count)?;
-        post_safe(g, op, &comms[1], r1, count)
+    group(move |g| {
+        for (c, r) in comms.iter().zip(ranks) {
+            post_safe(g, op, c, r, count)?;
+        }
+        Ok(())
     })
 }
 
 fn run_raw(op: Op, comms: &[Communicator], ranks: &mut [Rank], count: usize) -> handoff::Result<()> {
     let dt: ncclDataType_t = f32::DATATYPE;
-    // SAFETY: both ranks' buffers hold at least the lengths `op` needs for `count` (allocated for
+    // SAFETY: every rank's buffers hold at least the lengths `op` needs for `count` (allocated for
     // the largest size), on their communicators' devices; this benchmark orders raw and safe
     // operations on the same streams, so stream order alone keeps them apart; the group is
     // closed below.
@@ -163,15 +177,39 @@ fn main() -> handoff::Result<()> {
             "need --factor >= 2, --iters and --repeats > 0, --min-bytes <= --max-bytes".into(),
         ));
     }
-    let devs = [Device::new(0)?, Device::new(1)?];
-    let verified = Communicator::init_all(&devs)?;
-    // SAFETY: this benchmark posts the same collectives on both ranks, in one group.
-    let unverified = Communicator::init_all_with(&devs, unsafe { CommOptions::default().unverified() })?;
+    let launch = match o.mode {
+        Mode::Procs => match Launch::from_env()? {
+            Some(l) => Some(l),
+            None => return spawn_procs(),
+        },
+        Mode::InProc => None,
+    };
+    // This process's ranks: both (inproc) or its own (procs).
+    let (verified, unverified, label) = match launch {
+        Some(l) => {
+            let v = l.communicator(CommOptions::default())?;
+            // SAFETY: every rank runs this benchmark, which posts the same collectives.
+            let u = l.communicator(unsafe { CommOptions::default().unverified() })?;
+            (
+                vec![v],
+                vec![u],
+                "two processes, GPU 0 and GPU 1, through the bootstrap",
+            )
+        }
+        None => {
+            let devs = [Device::new(0)?, Device::new(1)?];
+            let v = Communicator::init_all(&devs)?;
+            // SAFETY: this benchmark posts the same collectives on both ranks, in one group.
+            let u = Communicator::init_all_with(&devs, unsafe { CommOptions::default().unverified() })?;
+            (v, u, "two ranks in one process, GPU 0 and GPU 1")
+        }
+    };
+    let reports = verified[0].rank() == 0;
     let max_count = o.max_bytes / 4;
-    let mut ranks: Vec<Rank> = devs
+    let mut ranks: Vec<Rank> = verified
         .iter()
-        .map(|d| {
-            let stream = Stream::new(d)?;
+        .map(|c| {
+            let stream = Stream::new(c.device())?;
             let input = DeviceBuffer::from_slice(&stream, &vec![1.0f32; WORLD * max_count])?;
             let output = DeviceBuffer::zeros(&stream, WORLD * max_count)?;
             Ok(Rank {
@@ -181,23 +219,33 @@ fn main() -> handoff::Result<()> {
             })
         })
         .collect::<handoff::Result<_>>()?;
-    let (start, end) = (Event::new(&devs[0])?, Event::new(&devs[0])?);
-    let joined = Event::without_timing(&devs[1])?;
+    let first = verified[0].device();
+    let (start, end) = (Event::new(first)?, Event::new(first)?);
+    // The other local ranks' streams join the first's at the end of each timed run.
+    let joined = verified[1..]
+        .iter()
+        .map(|c| Event::without_timing(c.device()))
+        .collect::<handoff::Result<Vec<_>>>()?;
     for op in &o.op {
         let op = *op;
-        println!("# handoff collectives: {op:?}, two ranks in one process, GPU 0 and GPU 1");
-        println!(
-            "# f32 | iters {} | warmup {} | repeats {} (median) | rotating verified, unverified and raw | busbw factor {:.2}",
-            o.iters,
-            o.warmup,
-            o.repeats,
-            op.bus_factor(WORLD as f64)
-        );
-        println!("{}", harness::header());
+        if reports {
+            println!("# handoff collectives: {op:?}, {label}");
+            println!(
+                "# f32 | iters {} | warmup {} | repeats {} (median) | rotating verified, unverified and raw | busbw factor {:.2}",
+                o.iters,
+                o.warmup,
+                o.repeats,
+                op.bus_factor(WORLD as f64)
+            );
+            println!("{}", harness::header());
+        }
         if op == Op::Broadcast {
             // The root's buffer is the source (in place): ones, like the other inputs.
-            let r0 = &mut ranks[0];
-            r0.output.fill(1.0, &r0.stream)?;
+            for (c, r) in verified.iter().zip(ranks.iter_mut()) {
+                if c.rank() == 0 {
+                    r.output.fill(1.0, &r.stream)?;
+                }
+            }
         }
         let factor = op.bus_factor(WORLD as f64);
         let mut rows = Vec::new();
@@ -222,19 +270,24 @@ fn main() -> handoff::Result<()> {
             for rep in 0..3 * o.repeats {
                 let way = WAYS[rep % 3];
                 ranks[0].stream.record(&start)?;
-                ranks[1].stream.wait(&start)?;
+                for r in &ranks[1..] {
+                    r.stream.wait(&start)?;
+                }
                 for _ in 0..o.iters {
                     call(way, &mut ranks)?;
                 }
-                ranks[1].stream.record(&joined)?;
-                ranks[0].stream.wait(&joined)?;
+                for (r, j) in ranks[1..].iter().zip(&joined) {
+                    r.stream.record(j)?;
+                    ranks[0].stream.wait(j)?;
+                }
                 ranks[0].stream.record(&end)?;
                 end.synchronize()?;
                 times[way as usize].push(f64::from(start.elapsed_ms(&end)?) * 1000.0 / o.iters as f64);
             }
             // The result once: ones everywhere, so a sum is 2 and the rest 1.
             let (_, olen) = lengths(op, count);
-            let got = ranks[1].output.slice(..olen)?.to_vec(&ranks[1].stream)?;
+            let last = ranks.last().expect("a rank");
+            let got = last.output.slice(..olen)?.to_vec(&last.stream)?;
             let want = if matches!(op, Op::AllReduce | Op::ReduceScatter) {
                 2.0
             } else {
@@ -251,17 +304,22 @@ fn main() -> handoff::Result<()> {
                 count,
                 us: times.map(harness::median),
             };
-            println!("{}", harness::line(&row, factor));
+            if reports {
+                println!("{}", harness::line(&row, factor));
+            }
             rows.push(row);
         }
-        let path = format!("{}-{op:?}.csv", o.csv).to_lowercase();
+        if !reports {
+            continue;
+        }
         let name = format!("{op:?}").to_lowercase();
+        let path = format!("{}-{name}.csv", o.csv);
         std::fs::write(&path, harness::csv(&name, "f32", &rows, factor))
             .map_err(|e| handoff::Error::InvalidArgument(format!("writing {path}: {e}")))?;
         println!("# wrote {path}");
         if let Some(prefix) = &o.svg {
             let path = format!("{prefix}-{name}.svg");
-            let title = format!("handoff {name}: two ranks in one process, GPU 0 and GPU 1, f32");
+            let title = format!("handoff {name}: {label}, f32");
             harness::plot(&path, &title, &rows, factor).map_err(handoff::Error::InvalidArgument)?;
             println!("# wrote {path}");
         }
@@ -270,4 +328,26 @@ fn main() -> handoff::Result<()> {
         r.stream.synchronize()?;
     }
     Ok(())
+}
+
+/// Starts the two processes of `--mode procs` with this process's arguments, as a launcher
+/// would.
+fn spawn_procs() -> handoff::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let kids = handoff::bootstrap::spawn_local(WORLD, |_, cmd| {
+        cmd.args(&args);
+    })?;
+    let mut failed = Vec::new();
+    for (rank, mut k) in kids.into_iter().enumerate() {
+        if !k.wait().map(|s| s.success()).unwrap_or(false) {
+            failed.push(rank);
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(handoff::Error::InvalidArgument(format!(
+            "rank(s) {failed:?} failed"
+        )))
+    }
 }

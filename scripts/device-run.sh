@@ -4,7 +4,7 @@
 # Logs go to $OUT (the device tool's folder) or ./device-logs.
 #   run.log     every test binary and example, in order, with a summary at the end
 #   bypass.log  the GPU tests with tracking bypassed: their hazard tests are expected to FAIL
-#   bench.tar   the benchmark's rows and plots: sendrecv-MODE.csv, sendrecv-MODE.svg
+#   bench.tar   the benchmarks' rows and plots: sendrecv-MODE.{csv,svg}, coll-MODE-OP.{csv,svg}
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-device-logs}
@@ -58,8 +58,18 @@ if [ -x .device/benches/sendrecv ]; then
   .device/benches/sendrecv --mode self --nonblocking --csv "$bench/sendrecv-self-nb.csv" \
     --svg "$bench/sendrecv-self-nb.svg" ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
   [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench sendrecv --mode self --nonblocking")
-  tar -cf "$out/bench.tar" -C "$bench" .
 fi
+# The collectives benchmark (two GPUs), in one process and in two.
+if [ -x .device/benches/collectives ] && [ "$gpus" -ge 2 ]; then
+  for m in inproc procs; do
+    say "== bench collectives --mode $m"
+    # shellcheck disable=SC2086
+    .device/benches/collectives --mode "$m" --csv "$bench/coll-$m" --svg "$bench/coll-$m" \
+      ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench collectives --mode $m")
+  done
+fi
+tar -cf "$out/bench.tar" -C "$bench" .
 
 if [ -d .device/bypass ]; then
   say "== GPU tests with tracking BYPASSED (hazard and reuse tests should fail): see bypass.log"
