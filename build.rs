@@ -121,6 +121,8 @@ const NCCL_FUNCTIONS: &[&str] = &[
     "ncclAlltoAll",
     "ncclGather",
     "ncclScatter",
+    "ncclRedOpCreatePreMulSum",
+    "ncclRedOpDestroy",
 ];
 
 /// What to do with the committed copies, besides using them where generating is not possible.

@@ -40,6 +40,7 @@ fn main() {
             2,
             hazards,
         ),
+        g.trial("pre_mul_sum_scales_each_rank_before_summing", 2, pre_mul_sum),
         g.trial(
             "a_rank_made_by_init_all_splits_only_with_split_all",
             1,
@@ -397,8 +398,9 @@ fn mismatches() -> Result<(), Failed> {
         Count,
         Root,
         Kind,
+        PreMulSum,
     }
-    for case in [Case::Op, Case::Count, Case::Root, Case::Kind] {
+    for case in [Case::Op, Case::Count, Case::Root, Case::Kind, Case::PreMulSum] {
         let id = UniqueId::new()?;
         let handles: Vec<_> = (0..2)
             .map(|rank| {
@@ -431,6 +433,13 @@ fn mismatches() -> Result<(), Failed> {
                                     comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
                                 } else {
                                     comm.broadcast(&mut y, 0, &s)
+                                }
+                            }
+                            Case::PreMulSum => {
+                                if odd {
+                                    comm.all_reduce_pre_mul_sum(&x, &mut y, 2.0, &s)
+                                } else {
+                                    comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
                                 }
                             }
                         })
@@ -729,4 +738,32 @@ fn split_times_out(color: Option<u32>) -> Result<(), Failed> {
     } else {
         Err(errors.join("; ").into())
     }
+}
+
+/// PreMulSum with a different scalar on each rank (2 and 3), all-reduce and reduce-scatter, two
+/// ranks in one process: each output element is the sum of scalar × input over the ranks.
+fn pre_mul_sum() -> Result<(), Failed> {
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let comms = Communicator::init_all(&devs)?;
+    let ss = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
+    let scalar = |r: usize| (r + 2) as f32;
+    let mut bs = [bufs(0, 2, &ss[0])?, bufs(1, 2, &ss[1])?];
+    let [b0, b1] = &mut bs;
+    group(|g| {
+        for (r, b) in [(0, &mut *b0), (1, &mut *b1)] {
+            g.all_reduce_pre_mul_sum(&comms[r], &b.x, &mut b.y, scalar(r), &ss[r])?;
+            g.reduce_scatter_pre_mul_sum(&comms[r], &b.wide, &mut b.scattered, scalar(r), &ss[r])?;
+        }
+        Ok(())
+    })?;
+    for (q, b) in bs.iter().enumerate() {
+        assert_all_eq("all_reduce_pre_mul_sum", &b.y.to_vec(&ss[q])?, |i| {
+            (0..2).map(|r| scalar(r) * input(r, i)).sum()
+        })?;
+        // Rank r's wide input at q·N + i is input(r, i) + q.
+        assert_all_eq("reduce_scatter_pre_mul_sum", &b.scattered.to_vec(&ss[q])?, |i| {
+            (0..2).map(|r| scalar(r) * (input(r, i) + q as f32)).sum()
+        })?;
+    }
+    Ok(())
 }

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, usable};
 use crate::nccl::group::{CollOp, Group, group};
 use crate::nccl::types::NcclType;
-use crate::nccl::verify::wire::{CollDesc, CollKind, NONE};
+use crate::nccl::verify::wire::{CollDesc, CollKind, NONE, PRE_MUL_SUM};
 use crate::stream::Stream;
 use crate::tracking::Access;
 use crate::view::{View, ViewMut};
@@ -159,7 +159,56 @@ impl<'a> Group<'a> {
             dtype: T::DATATYPE,
             send: send.map(|s| (s.tracked(), s.as_raw_ptr().cast())),
             recv: (recv.tracked(), recv.as_raw_mut_ptr().cast()),
+            scalar: None,
         });
+        Ok(())
+    }
+
+    /// The collective just added, turned into a PreMulSum with this rank's `scalar`.
+    fn pre_mul_sum<T: NcclType>(&mut self, scalar: T) {
+        let bytes = bytemuck::bytes_of(&scalar);
+        let mut held = [0u8; 8];
+        // Every NCCL type is at most 8 bytes.
+        held[..bytes.len()].copy_from_slice(bytes);
+        let op = self.colls.last_mut().expect("just added");
+        op.desc.redop = PRE_MUL_SUM;
+        op.scalar = Some(held);
+    }
+
+    /// Adds an all-reduce whose reduction is NCCL's PreMulSum: every rank's `recv` gets the sum
+    /// over the ranks of `scalar × send`, each rank with its own `scalar` (the ranks agree on
+    /// the reduction, not the scalars).
+    ///
+    /// # Errors
+    /// As [`Group::all_reduce`], and NCCL's error making the operator.
+    pub fn all_reduce_pre_mul_sum<T: NcclType>(
+        &mut self,
+        comm: &'a Communicator,
+        send: impl Into<View<'a, T>>,
+        recv: impl Into<ViewMut<'a, T>>,
+        scalar: T,
+        stream: &'a Stream,
+    ) -> Result<()> {
+        self.all_reduce(comm, send, recv, ReduceOp::Sum, stream)?;
+        self.pre_mul_sum(scalar);
+        Ok(())
+    }
+
+    /// Adds a reduce-scatter whose reduction is PreMulSum (see
+    /// [`Group::all_reduce_pre_mul_sum`]).
+    ///
+    /// # Errors
+    /// As [`Group::reduce_scatter`], and NCCL's error making the operator.
+    pub fn reduce_scatter_pre_mul_sum<T: NcclType>(
+        &mut self,
+        comm: &'a Communicator,
+        send: impl Into<View<'a, T>>,
+        recv: impl Into<ViewMut<'a, T>>,
+        scalar: T,
+        stream: &'a Stream,
+    ) -> Result<()> {
+        self.reduce_scatter(comm, send, recv, ReduceOp::Sum, stream)?;
+        self.pre_mul_sum(scalar);
         Ok(())
     }
 
@@ -499,6 +548,37 @@ impl Communicator {
     ) -> Result<()> {
         let (send, recv) = (send.into(), recv.into());
         group(|g| g.all_gather(self, send, recv, stream))
+    }
+
+    /// An all-reduce with PreMulSum; see [`Group::all_reduce_pre_mul_sum`].
+    ///
+    /// # Errors
+    /// As [`Group::all_reduce_pre_mul_sum`]; as [`Communicator::send`] for verification and NCCL.
+    pub fn all_reduce_pre_mul_sum<'b, T: NcclType>(
+        &self,
+        send: impl Into<View<'b, T>>,
+        recv: impl Into<ViewMut<'b, T>>,
+        scalar: T,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (send, recv) = (send.into(), recv.into());
+        group(|g| g.all_reduce_pre_mul_sum(self, send, recv, scalar, stream))
+    }
+
+    /// A reduce-scatter with PreMulSum; see [`Group::reduce_scatter_pre_mul_sum`].
+    ///
+    /// # Errors
+    /// As [`Group::reduce_scatter_pre_mul_sum`]; as [`Communicator::send`] for verification and
+    /// NCCL.
+    pub fn reduce_scatter_pre_mul_sum<'b, T: NcclType>(
+        &self,
+        send: impl Into<View<'b, T>>,
+        recv: impl Into<ViewMut<'b, T>>,
+        scalar: T,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (send, recv) = (send.into(), recv.into());
+        group(|g| g.reduce_scatter_pre_mul_sum(self, send, recv, scalar, stream))
     }
 
     /// A reduce-scatter; see [`Group::reduce_scatter`].

@@ -39,6 +39,8 @@ pub(crate) struct CollOp<'a> {
     pub(crate) send: Option<(&'a Tracked, *const c_void)>,
     /// The output, written.
     pub(crate) recv: (&'a Tracked, *mut c_void),
+    /// PreMulSum's scalar, this rank's, as bytes of the element type (at most 8).
+    pub(crate) scalar: Option<[u8; 8]>,
 }
 
 impl CollOp<'_> {
@@ -49,11 +51,16 @@ impl CollOp<'_> {
     /// buffers on the communicator's device and borrowed for the group), every rank posts the
     /// same collective in the same place in its order (verified, or promised by
     /// `CommOptions::unverified`), and tracking orders the buffers' other uses around it.
-    unsafe fn issue(&self, comm: crate::sys::nccl::ncclComm_t) -> Result<ncclResult_t> {
+    /// `op` replaces the description's reduction (PreMulSum's operator, made for this call).
+    unsafe fn issue(
+        &self,
+        comm: crate::sys::nccl::ncclComm_t,
+        op: Option<crate::sys::nccl::ncclRedOp_t>,
+    ) -> Result<ncclResult_t> {
         let recv = self.recv.1;
         let send = self.send.map_or(recv.cast_const(), |s| s.1);
         let (count, dtype, s) = (self.desc.count as usize, self.dtype, self.stream.as_raw());
-        let op = crate::sys::nccl::ncclRedOp_t(self.desc.redop);
+        let op = op.unwrap_or(crate::sys::nccl::ncclRedOp_t(self.desc.redop));
         let root = self.desc.root as i32;
         // SAFETY: this function's contract.
         unsafe {
@@ -586,13 +593,33 @@ impl<'a> Group<'a> {
                 break;
             }
         }
+        // PreMulSum operators made for this group, destroyed once it has ended.
+        let mut made_ops = Vec::new();
         for op in &self.colls {
             if failed.is_some() {
                 break;
             }
+            let comm = raw_of(op.comm);
+            let redop = match &op.scalar {
+                None => None,
+                // SAFETY: the communicator is live (lock held); the scalar holds one element of
+                // the op's type (written from a `T: NcclType` of that type).
+                Some(scalar) => {
+                    match unsafe { nc::red_op_create_pre_mul_sum(scalar.as_ptr().cast(), op.dtype, comm) } {
+                        Ok(r) => {
+                            made_ops.push((r, comm));
+                            Some(r)
+                        }
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                }
+            };
             // SAFETY: `CollOp::issue`'s contract: checked when added, verified (or promised),
-            // tracked; the communicator is live (lock held).
-            let rc = unsafe { op.issue(raw_of(op.comm)) };
+            // tracked; the communicator is live (lock held); `redop` was made on it for this type.
+            let rc = unsafe { op.issue(comm, redop) };
             let issued = rc.and_then(|rc| {
                 if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress {
                     Ok(())
@@ -618,6 +645,15 @@ impl<'a> Group<'a> {
                     failed = Some(e);
                     break;
                 }
+            }
+        }
+        if failed.is_none() {
+            for (op, comm) in made_ops {
+                // SAFETY: made on `comm` (live, locked) above; the group has ended and, when
+                // non-blocking, been waited for, so every call given `op` has returned. A
+                // failure leaks one operator handle and nothing else. After a failure the
+                // communicators are aborted below, which frees their operators.
+                let _ = unsafe { nc::red_op_destroy(op, comm) };
             }
         }
         match failed {

@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::sys::cudart::cudaStream_t;
 use crate::sys::loader;
-use crate::sys::nccl::{NcclLib, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclResult_t, ncclUniqueId};
+use crate::sys::nccl::{
+    NcclLib, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclScalarResidence_t,
+    ncclUniqueId,
+};
 
 /// The loaded NCCL.
 #[inline]
@@ -502,6 +505,42 @@ pub unsafe fn scatter(
 ) -> Result<ncclResult_t> {
     // SAFETY: the caller vouches for every argument.
     Ok(unsafe { lib()?.ncclScatter(send, recv, count, dtype, root, comm, stream) })
+}
+
+/// `ncclRedOpCreatePreMulSum` with a host scalar (`ncclScalarHostImmediate`: read before it
+/// returns): a reduction that multiplies each rank's input by its `scalar`, then sums.
+///
+/// # Safety
+/// `comm` is a live communicator, not used concurrently by another thread; `scalar` points to
+/// one element of `datatype`.
+pub unsafe fn red_op_create_pre_mul_sum(
+    scalar: *const std::ffi::c_void,
+    datatype: ncclDataType_t,
+    comm: ncclComm_t,
+) -> Result<ncclRedOp_t> {
+    let mut op = ncclRedOp_t(0);
+    // SAFETY: writes the handle; NCCL reads the scalar during the call (host, immediate) and
+    // does not write it; the caller vouches for the rest.
+    let rc = unsafe {
+        lib()?.ncclRedOpCreatePreMulSum(
+            &mut op,
+            scalar.cast_mut(),
+            datatype,
+            ncclScalarResidence_t::ncclScalarHostImmediate,
+            comm,
+        )
+    };
+    check("ncclRedOpCreatePreMulSum", rc).map(|()| op)
+}
+
+/// `ncclRedOpDestroy`.
+///
+/// # Safety
+/// `op` was made by [`red_op_create_pre_mul_sum`] on `comm`, which is live and not used
+/// concurrently; every NCCL call given `op` has returned (inside a group: the group has ended).
+pub unsafe fn red_op_destroy(op: ncclRedOp_t, comm: ncclComm_t) -> Result<()> {
+    // SAFETY: the caller vouches for both.
+    check("ncclRedOpDestroy", unsafe { lib()?.ncclRedOpDestroy(op, comm) })
 }
 
 #[cfg(test)]

@@ -117,6 +117,10 @@ impl CollKind {
 /// "No reduction" / "no root", in a [`CollDesc`].
 pub(crate) const NONE: u32 = u32::MAX;
 
+/// PreMulSum, in a [`CollDesc`] (NCCL's own codes for it are made per call; ranks' scalars
+/// may differ, so only the kind is compared).
+pub(crate) const PRE_MUL_SUM: u32 = 5;
+
 /// One collective as every rank of the communicator must post it, in the same order: NCCL
 /// leaves a disagreement on operation, count, type, root or reduction undefined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,6 +182,7 @@ pub(crate) fn redop_name(code: u32) -> &'static str {
         2 => "max",
         3 => "min",
         4 => "avg",
+        PRE_MUL_SUM => "pre-multiplied sum",
         _ => "a custom reduction",
     }
 }
@@ -384,6 +389,16 @@ mod tests {
             compare_coll(0, 1, 0, d, None)
                 .unwrap_err()
                 .contains("not one this handoff")
+        );
+        // PreMulSum against a plain sum is a mismatch, named.
+        let pre = CollDesc {
+            redop: PRE_MUL_SUM,
+            ..d
+        };
+        let e = compare_coll(0, 1, 0, pre, Some(CollDesc { redop: 0, ..d })).unwrap_err();
+        assert!(
+            e.contains("reduction pre-multiplied sum") && e.contains("reduction sum"),
+            "{e}"
         );
     }
 

@@ -206,6 +206,17 @@ pub struct NcclLib {
         comm: ncclComm_t,
         rank: *mut ::std::os::raw::c_int,
     ) -> ncclResult_t,
+    pub ncclRedOpCreatePreMulSum: unsafe extern "C" fn(
+        op: *mut ncclRedOp_t,
+        scalar: *mut ::std::os::raw::c_void,
+        datatype: ncclDataType_t,
+        residence: ncclScalarResidence_t,
+        comm: ncclComm_t,
+    ) -> ncclResult_t,
+    pub ncclRedOpDestroy: unsafe extern "C" fn(
+        op: ncclRedOp_t,
+        comm: ncclComm_t,
+    ) -> ncclResult_t,
     pub ncclReduce: unsafe extern "C" fn(
         sendbuff: *const ::std::os::raw::c_void,
         recvbuff: *mut ::std::os::raw::c_void,
@@ -328,6 +339,10 @@ impl NcclLib {
         let ncclCommCount = __library.get(b"ncclCommCount\0").map(|sym| *sym)?;
         let ncclCommCuDevice = __library.get(b"ncclCommCuDevice\0").map(|sym| *sym)?;
         let ncclCommUserRank = __library.get(b"ncclCommUserRank\0").map(|sym| *sym)?;
+        let ncclRedOpCreatePreMulSum = __library
+            .get(b"ncclRedOpCreatePreMulSum\0")
+            .map(|sym| *sym)?;
+        let ncclRedOpDestroy = __library.get(b"ncclRedOpDestroy\0").map(|sym| *sym)?;
         let ncclReduce = __library.get(b"ncclReduce\0").map(|sym| *sym)?;
         let ncclBroadcast = __library.get(b"ncclBroadcast\0").map(|sym| *sym)?;
         let ncclAllReduce = __library.get(b"ncclAllReduce\0").map(|sym| *sym)?;
@@ -357,6 +372,8 @@ impl NcclLib {
             ncclCommCount,
             ncclCommCuDevice,
             ncclCommUserRank,
+            ncclRedOpCreatePreMulSum,
+            ncclRedOpDestroy,
             ncclReduce,
             ncclBroadcast,
             ncclAllReduce,
@@ -465,6 +482,23 @@ impl NcclLib {
         rank: *mut ::std::os::raw::c_int,
     ) -> ncclResult_t {
         (self.ncclCommUserRank)(comm, rank)
+    }
+    pub unsafe fn ncclRedOpCreatePreMulSum(
+        &self,
+        op: *mut ncclRedOp_t,
+        scalar: *mut ::std::os::raw::c_void,
+        datatype: ncclDataType_t,
+        residence: ncclScalarResidence_t,
+        comm: ncclComm_t,
+    ) -> ncclResult_t {
+        (self.ncclRedOpCreatePreMulSum)(op, scalar, datatype, residence, comm)
+    }
+    pub unsafe fn ncclRedOpDestroy(
+        &self,
+        op: ncclRedOp_t,
+        comm: ncclComm_t,
+    ) -> ncclResult_t {
+        (self.ncclRedOpDestroy)(op, comm)
     }
     pub unsafe fn ncclReduce(
         &self,
