@@ -60,7 +60,16 @@ impl CollOp<'_> {
         let recv = self.recv.1;
         let send = self.send.map_or(recv.cast_const(), |s| s.1);
         let (count, dtype, s) = (self.desc.count as usize, self.dtype, self.stream.as_raw());
-        let op = op.unwrap_or(crate::sys::nccl::ncclRedOp_t(self.desc.redop));
+        // PRE_MUL_SUM is handoff's wire code, never NCCL's: it needs the operator made for it.
+        let op = match op {
+            Some(op) => op,
+            None if self.desc.redop == crate::nccl::verify::wire::PRE_MUL_SUM => {
+                return Err(Error::InvalidArgument(
+                    "internal: a PreMulSum collective without its operator (a bug in handoff)".into(),
+                ));
+            }
+            None => crate::sys::nccl::ncclRedOp_t(self.desc.redop),
+        };
         let root = self.desc.root as i32;
         // SAFETY: this function's contract.
         unsafe {
@@ -542,6 +551,34 @@ impl<'a> Group<'a> {
         }
         let raw_of = |c: &Communicator| raws[comms.iter().position(|d| std::ptr::eq(*d, c)).expect("listed")];
         let started = Instant::now();
+        // PreMulSum operators, made before the group (a failure to make one inside it would
+        // not stop NCCL launching the rest of the group), destroyed once it has ended.
+        let mut redops = Vec::with_capacity(self.colls.len());
+        for op in &self.colls {
+            let Some(scalar) = &op.scalar else {
+                redops.push(None);
+                continue;
+            };
+            let comm = raw_of(op.comm);
+            // SAFETY: the communicator is live (lock held); the scalar holds one element of the
+            // op's type (written from a `T: NcclType` of that type).
+            match unsafe { nc::red_op_create_pre_mul_sum(scalar.as_ptr().cast(), op.dtype, comm) } {
+                Ok(r) => redops.push(Some(r)),
+                Err(e) => {
+                    for (made, op) in redops.iter().zip(&self.colls) {
+                        if let Some(r) = made {
+                            // SAFETY: made on this live, locked communicator; never given to
+                            // NCCL.
+                            let _ = unsafe { nc::red_op_destroy(*r, raw_of(op.comm)) };
+                        }
+                    }
+                    for (st, c) in states.iter_mut().zip(comms) {
+                        st.break_with(e.to_string(), c.shared.ordinal, Cut::All);
+                    }
+                    return Err(e);
+                }
+            }
+        }
         // SAFETY: no raw group is open on this thread (`group_start` is unsafe and requires its
         // group closed before handoff's calls); closed below on every path.
         unsafe { nc::group_start() }?;
@@ -593,33 +630,14 @@ impl<'a> Group<'a> {
                 break;
             }
         }
-        // PreMulSum operators made for this group, destroyed once it has ended.
-        let mut made_ops = Vec::new();
-        for op in &self.colls {
+        for (op, redop) in self.colls.iter().zip(&redops) {
             if failed.is_some() {
                 break;
             }
             let comm = raw_of(op.comm);
-            let redop = match &op.scalar {
-                None => None,
-                // SAFETY: the communicator is live (lock held); the scalar holds one element of
-                // the op's type (written from a `T: NcclType` of that type).
-                Some(scalar) => {
-                    match unsafe { nc::red_op_create_pre_mul_sum(scalar.as_ptr().cast(), op.dtype, comm) } {
-                        Ok(r) => {
-                            made_ops.push((r, comm));
-                            Some(r)
-                        }
-                        Err(e) => {
-                            failed = Some(e);
-                            break;
-                        }
-                    }
-                }
-            };
             // SAFETY: `CollOp::issue`'s contract: checked when added, verified (or promised),
             // tracked; the communicator is live (lock held); `redop` was made on it for this type.
-            let rc = unsafe { op.issue(comm, redop) };
+            let rc = unsafe { op.issue(comm, *redop) };
             let issued = rc.and_then(|rc| {
                 if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress {
                     Ok(())
@@ -648,7 +666,8 @@ impl<'a> Group<'a> {
             }
         }
         if failed.is_none() {
-            for (op, comm) in made_ops {
+            let made = redops.iter().zip(&self.colls);
+            for (op, comm) in made.filter_map(|(r, c)| Some(((*r)?, raw_of(c.comm)))) {
                 // SAFETY: made on `comm` (live, locked) above; the group has ended and, when
                 // non-blocking, been waited for, so every call given `op` has returned. A
                 // failure leaks one operator handle and nothing else. After a failure the

@@ -130,7 +130,7 @@ pub(crate) struct CollDesc {
     /// reduce_scatter each rank's result.
     pub(crate) count: u64,
     pub(crate) dtype: u32,
-    /// `ncclRedOp_t` code, or [`NONE`].
+    /// `ncclRedOp_t` code of a built-in reduction, [`PRE_MUL_SUM`], or [`NONE`].
     pub(crate) redop: u32,
     /// The root rank, or [`NONE`].
     pub(crate) root: u32,
