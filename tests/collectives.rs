@@ -747,22 +747,45 @@ fn pre_mul_sum() -> Result<(), Failed> {
     let comms = Communicator::init_all(&devs)?;
     let ss = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
     let scalar = |r: usize| (r + 2) as f32;
-    let mut bs = [bufs(0, 2, &ss[0])?, bufs(1, 2, &ss[1])?];
-    let [b0, b1] = &mut bs;
-    group(|g| {
-        for (r, b) in [(0, &mut *b0), (1, &mut *b1)] {
-            g.all_reduce_pre_mul_sum(&comms[r], &b.x, &mut b.y, scalar(r), &ss[r])?;
-            g.reduce_scatter_pre_mul_sum(&comms[r], &b.wide, &mut b.scattered, scalar(r), &ss[r])?;
-        }
-        Ok(())
-    })?;
-    for (q, b) in bs.iter().enumerate() {
-        assert_all_eq("all_reduce_pre_mul_sum", &b.y.to_vec(&ss[q])?, |i| {
-            (0..2).map(|r| scalar(r) * input(r, i)).sum()
+    // Three rounds: each group makes its operators and destroys them after it.
+    for _ in 0..3 {
+        let mut bs = [bufs(0, 2, &ss[0])?, bufs(1, 2, &ss[1])?];
+        let [b0, b1] = &mut bs;
+        group(|g| {
+            for (r, b) in [(0, &mut *b0), (1, &mut *b1)] {
+                g.all_reduce_pre_mul_sum(&comms[r], &b.x, &mut b.y, scalar(r), &ss[r])?;
+                g.reduce_scatter_pre_mul_sum(&comms[r], &b.wide, &mut b.scattered, scalar(r), &ss[r])?;
+            }
+            Ok(())
         })?;
-        // Rank r's wide input at q·N + i is input(r, i) + q.
-        assert_all_eq("reduce_scatter_pre_mul_sum", &b.scattered.to_vec(&ss[q])?, |i| {
-            (0..2).map(|r| scalar(r) * (input(r, i) + q as f32)).sum()
+        for (q, b) in bs.iter().enumerate() {
+            assert_all_eq("all_reduce_pre_mul_sum", &b.y.to_vec(&ss[q])?, |i| {
+                (0..2).map(|r| scalar(r) * input(r, i)).sum()
+            })?;
+            // Rank r's wide input at q·N + i is input(r, i) + q.
+            assert_all_eq("reduce_scatter_pre_mul_sum", &b.scattered.to_vec(&ss[q])?, |i| {
+                (0..2).map(|r| scalar(r) * (input(r, i) + q as f32)).sum()
+            })?;
+        }
+    }
+    // An integer type: its scalar is an i32.
+    let xs = [0, 1].map(|r| (0..N).map(|i| (i % 5) as i32 - r).collect::<Vec<i32>>());
+    let mut ins = Vec::new();
+    let mut outs = Vec::new();
+    for r in 0..2 {
+        ins.push(DeviceBuffer::from_slice(&ss[r], &xs[r])?);
+        outs.push(DeviceBuffer::<i32>::zeros(&ss[r], N)?);
+    }
+    let [o0, o1] = &mut outs[..] else {
+        unreachable!("two ranks")
+    };
+    group(|g| {
+        g.all_reduce_pre_mul_sum(&comms[0], &ins[0], o0, -2, &ss[0])?;
+        g.all_reduce_pre_mul_sum(&comms[1], &ins[1], o1, 7, &ss[1])
+    })?;
+    for (q, o) in outs.iter().enumerate() {
+        assert_all_eq("i32 all_reduce_pre_mul_sum", &o.to_vec(&ss[q])?, |i| {
+            -2 * xs[0][i] + 7 * xs[1][i]
         })?;
     }
     Ok(())
