@@ -21,6 +21,7 @@ use handoff::sys::nccl::{ncclDataType_t, ncclRedOp_t};
 use handoff::{
     CommOptions, Communicator, Device, DeviceBuffer, Event, Group, Launch, NcclType, ReduceOp, Stream, group,
 };
+use harness::Way;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Op {
@@ -60,22 +61,8 @@ struct Opts {
     /// The collectives to time.
     #[arg(long, value_enum, num_args = 1.., default_values_t = [Op::AllReduce, Op::AllGather, Op::ReduceScatter, Op::Broadcast, Op::AllToAll])]
     op: Vec<Op>,
-    /// Smallest size (nccl-tests' size: the larger of input and output per rank), like 8, 64K, 1M.
-    #[arg(long, default_value = "8", value_parser = harness::parse_size)]
-    min_bytes: usize,
-    /// Largest size.
-    #[arg(long, default_value = "1G", value_parser = harness::parse_size)]
-    max_bytes: usize,
-    /// Step between sizes.
-    #[arg(long, default_value_t = 4)]
-    factor: usize,
-    #[arg(long, default_value_t = 50)]
-    iters: usize,
-    #[arg(long, default_value_t = 5)]
-    warmup: usize,
-    /// Timed runs per way and size (the median is reported).
-    #[arg(long, default_value_t = 7)]
-    repeats: usize,
+    #[command(flatten)]
+    sweep: harness::Sweep,
     /// CSV file prefix: one file per operation, PREFIX-OP.csv.
     #[arg(long, default_value = "collectives")]
     csv: String,
@@ -87,13 +74,6 @@ struct Opts {
     bench: bool,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Way {
-    Verified = 0,
-    Unverified = 1,
-    Raw = 2,
-}
-const WAYS: [Way; 3] = [Way::Verified, Way::Unverified, Way::Raw];
 const WORLD: usize = 2;
 
 struct Rank {
@@ -172,15 +152,11 @@ fn run_raw(op: Op, comms: &[Communicator], ranks: &mut [Rank], count: usize) -> 
 
 fn main() -> handoff::Result<()> {
     let o = Opts::parse();
-    if o.factor < 2 || o.iters == 0 || o.repeats == 0 || o.min_bytes > o.max_bytes {
-        return Err(handoff::Error::InvalidArgument(
-            "need --factor >= 2, --iters and --repeats > 0, --min-bytes <= --max-bytes".into(),
-        ));
-    }
+    o.sweep.check().map_err(handoff::Error::InvalidArgument)?;
     let launch = match o.mode {
         Mode::Procs => match Launch::from_env()? {
             Some(l) => Some(l),
-            None => return spawn_procs(),
+            None => return harness::spawn_procs([0, 1]).map_err(handoff::Error::InvalidArgument),
         },
         Mode::InProc => None,
     };
@@ -205,7 +181,7 @@ fn main() -> handoff::Result<()> {
         }
     };
     let reports = verified[0].rank() == 0;
-    let max_count = o.max_bytes / 4;
+    let max_count = o.sweep.max_bytes / 4;
     let mut ranks: Vec<Rank> = verified
         .iter()
         .map(|c| {
@@ -232,9 +208,9 @@ fn main() -> handoff::Result<()> {
             println!("# handoff collectives: {op:?}, {label}");
             println!(
                 "# f32 | iters {} | warmup {} | repeats {} (median) | rotating verified, unverified and raw | busbw factor {:.2}",
-                o.iters,
-                o.warmup,
-                o.repeats,
+                o.sweep.iters,
+                o.sweep.warmup,
+                o.sweep.repeats,
                 op.bus_factor(WORLD as f64)
             );
             println!("{}", harness::header());
@@ -249,7 +225,7 @@ fn main() -> handoff::Result<()> {
         }
         let factor = op.bus_factor(WORLD as f64);
         let mut rows = Vec::new();
-        for bytes in harness::sizes(o.min_bytes.max(4 * WORLD), o.max_bytes, o.factor) {
+        for bytes in o.sweep.sizes(4 * WORLD) {
             // nccl-tests' size is the larger buffer per rank.
             let count = match op {
                 Op::AllReduce | Op::Broadcast => bytes / 4,
@@ -261,20 +237,18 @@ fn main() -> handoff::Result<()> {
                 Way::Unverified => run_safe(op, &unverified, ranks, count),
                 Way::Raw => run_raw(op, &verified, ranks, count),
             };
-            for way in WAYS {
-                for _ in 0..o.warmup {
+            let us = o.sweep.time_ways(|way, n, timed| {
+                if timed {
+                    ranks[0].stream.record(&start)?;
+                    for r in &ranks[1..] {
+                        r.stream.wait(&start)?;
+                    }
+                }
+                for _ in 0..n {
                     call(way, &mut ranks)?;
                 }
-            }
-            let mut times = [Vec::new(), Vec::new(), Vec::new()];
-            for rep in 0..3 * o.repeats {
-                let way = WAYS[rep % 3];
-                ranks[0].stream.record(&start)?;
-                for r in &ranks[1..] {
-                    r.stream.wait(&start)?;
-                }
-                for _ in 0..o.iters {
-                    call(way, &mut ranks)?;
+                if !timed {
+                    return Ok(0.0);
                 }
                 for (r, j) in ranks[1..].iter().zip(&joined) {
                     r.stream.record(j)?;
@@ -282,8 +256,8 @@ fn main() -> handoff::Result<()> {
                 }
                 ranks[0].stream.record(&end)?;
                 end.synchronize()?;
-                times[way as usize].push(f64::from(start.elapsed_ms(&end)?) * 1000.0 / o.iters as f64);
-            }
+                Ok(f64::from(start.elapsed_ms(&end)?) * 1000.0)
+            })?;
             // The result once: ones everywhere, so a sum is 2 and the rest 1.
             let (_, olen) = lengths(op, count);
             let last = ranks.last().expect("a rank");
@@ -299,11 +273,7 @@ fn main() -> handoff::Result<()> {
                     got[i]
                 )));
             }
-            let row = harness::Row {
-                bytes,
-                count,
-                us: times.map(harness::median),
-            };
+            let row = harness::Row { bytes, count, us };
             if reports {
                 println!("{}", harness::line(&row, factor));
             }
@@ -328,26 +298,4 @@ fn main() -> handoff::Result<()> {
         r.stream.synchronize()?;
     }
     Ok(())
-}
-
-/// Starts the two processes of `--mode procs` with this process's arguments, as a launcher
-/// would.
-fn spawn_procs() -> handoff::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let kids = handoff::bootstrap::spawn_local(WORLD, |_, cmd| {
-        cmd.args(&args);
-    })?;
-    let mut failed = Vec::new();
-    for (rank, mut k) in kids.into_iter().enumerate() {
-        if !k.wait().map(|s| s.success()).unwrap_or(false) {
-            failed.push(rank);
-        }
-    }
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(handoff::Error::InvalidArgument(format!(
-            "rank(s) {failed:?} failed"
-        )))
-    }
 }

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use handoff::result::nccl as raw_nccl;
 use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Event, Launch, NcclType, Stream, group};
+use harness::Way;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Mode {
@@ -45,24 +46,8 @@ enum Mode {
 struct Opts {
     #[arg(long, value_enum, default_value = "self")]
     mode: Mode,
-    /// Smallest message, like 8, 64K, 1M.
-    #[arg(long, default_value = "8", value_parser = harness::parse_size)]
-    min_bytes: usize,
-    /// Largest message.
-    #[arg(long, default_value = "1G", value_parser = harness::parse_size)]
-    max_bytes: usize,
-    /// Step between sizes (at least 2).
-    #[arg(long, default_value_t = 4)]
-    factor: usize,
-    /// Iterations per timed run (at least 1).
-    #[arg(long, default_value_t = 50)]
-    iters: usize,
-    /// Untimed iterations per way and size.
-    #[arg(long, default_value_t = 5)]
-    warmup: usize,
-    /// Timed runs per way and size, the median reported (at least 1).
-    #[arg(long, default_value_t = 7)]
-    repeats: usize,
+    #[command(flatten)]
+    sweep: harness::Sweep,
     #[arg(long, default_value = "f32", value_parser = ["f32", "f64", "f16", "bf16", "i32", "u8"])]
     dtype: String,
     /// The GPUs, sender first.
@@ -92,8 +77,9 @@ impl Opts {
 
 fn opts() -> Result<Opts, String> {
     let o = Opts::parse();
-    if o.factor < 2 || o.iters == 0 || o.repeats == 0 || o.min_bytes == 0 || o.min_bytes > o.max_bytes {
-        return Err("need --factor >= 2, --iters and --repeats > 0, 0 < --min-bytes <= --max-bytes".into());
+    o.sweep.check()?;
+    if o.sweep.min_bytes == 0 {
+        return Err("need --min-bytes > 0".into());
     }
     if o.mode != Mode::SelfRank && o.devices.len() < 2 {
         return Err("--devices needs two devices for inproc and procs".into());
@@ -105,7 +91,7 @@ fn main() {
     let r = opts().map_err(|e| e.to_string()).and_then(|o| {
         let launched = Launch::from_env().map_err(|e| e.to_string())?;
         match (o.mode, launched) {
-            (Mode::Procs, None) => spawn_procs(&o),
+            (Mode::Procs, None) => harness::spawn_procs([o.devices[0], o.devices[1]]),
             (_, launch) => match o.dtype.as_str() {
                 "f32" => run::<f32>(&o, launch),
                 "f64" => run::<f64>(&o, launch),
@@ -121,25 +107,6 @@ fn main() {
     if let Err(e) = r {
         eprintln!("sendrecv: {e}");
         std::process::exit(1);
-    }
-}
-
-/// Starts the two processes of `--mode procs`, as a launcher would.
-fn spawn_procs(o: &Opts) -> Result<(), String> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let kids = handoff::bootstrap::spawn_local(2, |rank, cmd| {
-        cmd.args(&args).env("LOCAL_RANK", o.devices[rank].to_string());
-    })
-    .map_err(|e| e.to_string())?;
-    let failed: Vec<usize> = kids
-        .into_iter()
-        .enumerate()
-        .filter_map(|(r, mut k)| (!k.wait().map(|s| s.success()).unwrap_or(false)).then_some(r))
-        .collect();
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(format!("rank(s) {failed:?} failed"))
     }
 }
 
@@ -352,15 +319,6 @@ impl Setup {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Way {
-    Verified = 0,
-    Unverified = 1,
-    Raw = 2,
-}
-
-const WAYS: [Way; 3] = [Way::Verified, Way::Unverified, Way::Raw];
-
 impl Setup {
     fn call<T: NcclType>(&self, way: Way, b: &mut Bufs<T>, count: usize) -> handoff::Result<()> {
         match way {
@@ -381,7 +339,7 @@ fn pattern<T: NcclType>(n: usize) -> Vec<T> {
 fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Result<()> {
     let s = setup(o, launch)?;
     let size = std::mem::size_of::<T>();
-    let max_count = o.max_bytes / size;
+    let max_count = o.sweep.max_bytes / size;
     let host_x = pattern::<T>(max_count);
     let mut b = Bufs::<T> {
         x: (s.role != Role::Receiver)
@@ -399,36 +357,34 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
         println!(
             "# dtype {} | iters {} | warmup {} | repeats {} (median reported) | rotating verified, unverified and raw | {} communicator",
             o.dtype,
-            o.iters,
-            o.warmup,
-            o.repeats,
+            o.sweep.iters,
+            o.sweep.warmup,
+            o.sweep.repeats,
             if o.nonblocking { "non-blocking" } else { "blocking" }
         );
         println!("{}", harness::header());
     }
     let mut rows = Vec::new();
-    for bytes in harness::sizes(o.min_bytes.max(size), o.max_bytes, o.factor) {
+    for bytes in o.sweep.sizes(size) {
         let count = bytes / size;
         let ts = s.timing_stream();
-        let mut times = [Vec::new(), Vec::new(), Vec::new()];
-        for way in WAYS {
-            for _ in 0..o.warmup {
+        let us = o.sweep.time_ways(|way, n, timed| {
+            if timed {
+                ts.record(&start)?;
+                if s.role == Role::Both && s.send != s.recv {
+                    s.send_s.wait(&start)?;
+                }
+            }
+            for _ in 0..n {
                 s.call(way, &mut b, count)?;
             }
-        }
-        for r in 0..3 * o.repeats {
-            let way = WAYS[r % 3];
-            ts.record(&start)?;
-            if s.role == Role::Both && s.send != s.recv {
-                s.send_s.wait(&start)?;
-            }
-            for _ in 0..o.iters {
-                s.call(way, &mut b, count)?;
+            if !timed {
+                return Ok(0.0);
             }
             ts.record(&end)?;
             end.synchronize()?;
-            times[way as usize].push(f64::from(start.elapsed_ms(&end)?) * 1000.0 / o.iters as f64);
-        }
+            Ok(f64::from(start.elapsed_ms(&end)?) * 1000.0)
+        })?;
         // Check the data once per size, outside the timed loops: clear y, one safe transfer.
         if let Some(y) = b.y.as_mut() {
             y.memset_zero(&s.recv_s)?;
@@ -443,11 +399,7 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
             }
         }
         s.send_s.synchronize()?;
-        let row = harness::Row {
-            bytes,
-            count,
-            us: times.map(harness::median),
-        };
+        let row = harness::Row { bytes, count, us };
         if reports {
             // Point to point: bus bandwidth is algorithm bandwidth (factor 1).
             println!("{}", harness::line(&row, 1.0));
@@ -494,7 +446,7 @@ fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::
     const BATCH: usize = 100;
     let mut ns = [Vec::new(), Vec::new(), Vec::new()];
     for r in 0..3 * o.overhead_calls.div_ceil(BATCH) {
-        let way = WAYS[r % 3];
+        let way = Way::ALL[r % 3];
         let t = Instant::now();
         for _ in 0..BATCH {
             s.call(way, b, 1)?;

@@ -4,7 +4,7 @@
 #[path = "../benches/harness/mod.rs"]
 mod harness;
 
-use harness::{Row, csv, header, line, median, parse_size, plot, sizes};
+use harness::{Row, Sweep, Way, csv, header, line, median, parse_size, plot, sizes};
 
 #[test]
 fn sizes_parse_and_step_to_the_maximum() {
@@ -68,4 +68,61 @@ fn the_plot_has_three_panels_with_every_series() {
     }
     assert!(svg.matches("<polyline").count() >= 3 * 2 + 2, "too few lines");
     assert!(plot("/nonexistent/dir/x.svg", "t", &[], 1.0).is_err());
+}
+
+fn sweep(repeats: usize) -> Sweep {
+    Sweep {
+        min_bytes: 8,
+        max_bytes: 1000,
+        factor: 4,
+        iters: 10,
+        warmup: 3,
+        repeats,
+    }
+}
+
+#[test]
+fn ways_are_warmed_then_timed_in_rotation_and_their_medians_taken() {
+    let mut calls = Vec::new();
+    // Run k of a way takes 10·(k+1) µs for 10 iterations: medians are per iteration.
+    let mut seen = [0usize; 3];
+    let us = sweep(3)
+        .time_ways(|way, n, timed| -> Result<f64, ()> {
+            calls.push((way, n, timed));
+            if !timed {
+                return Ok(0.0);
+            }
+            seen[way as usize] += 1;
+            Ok(10.0 * seen[way as usize] as f64 * (way as usize + 1) as f64)
+        })
+        .unwrap();
+    let warm: Vec<_> = Way::ALL.iter().map(|&w| (w, 3, false)).collect();
+    assert_eq!(calls[..3], warm[..]);
+    let order: Vec<Way> = calls[3..].iter().map(|c| c.0).collect();
+    assert_eq!(order, [Way::ALL, Way::ALL, Way::ALL].concat());
+    assert!(calls[3..].iter().all(|c| c.1 == 10 && c.2));
+    assert_eq!(us, [2.0, 4.0, 6.0]);
+}
+
+#[test]
+fn sweep_checks_its_options_and_gives_its_sizes() {
+    assert!(sweep(1).check().is_ok());
+    assert!(sweep(0).check().is_err());
+    assert!(
+        Sweep {
+            factor: 1,
+            ..sweep(1)
+        }
+        .check()
+        .is_err()
+    );
+    assert!(
+        Sweep {
+            min_bytes: 2000,
+            ..sweep(1)
+        }
+        .check()
+        .is_err()
+    );
+    assert_eq!(sweep(1).sizes(16), [16, 64, 256, 1000]);
 }

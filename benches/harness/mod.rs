@@ -1,5 +1,6 @@
-//! What the benchmarks share: sizes, the median, the rows (verified, unverified and raw handoff
-//! against raw NCCL), nccl-tests' table, the CSV and the plot. Each benchmark says `mod harness;`
+//! What the benchmarks share: the sizes and repetitions (options), the rotation of the three ways
+//! (verified, unverified and raw handoff against raw NCCL) and their medians, starting two
+//! processes, nccl-tests' table, the CSV and the plot. Each benchmark says `mod harness;`
 //! (a folder, so that cargo does not take it for a benchmark of its own); `tests/bench_harness.rs`
 //! includes it by path and tests it without a GPU.
 
@@ -14,6 +15,96 @@ type Measure<'a> = &'a dyn Fn(&Row, usize) -> f64;
 
 /// The three ways each size is timed, in their column order.
 pub const WAYS: [&str; 3] = ["handoff verified", "handoff unverified", "raw NCCL"];
+
+/// A way, indexing [`WAYS`] and a [`Row`]'s times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Way {
+    Verified = 0,
+    Unverified = 1,
+    Raw = 2,
+}
+
+impl Way {
+    pub const ALL: [Way; 3] = [Way::Verified, Way::Unverified, Way::Raw];
+}
+
+/// The sizes and repetitions every benchmark takes (flattened into its options).
+#[derive(clap::Args, Clone, Debug)]
+pub struct Sweep {
+    /// Smallest size, like 8, 64K, 1M (for collectives nccl-tests' size: the larger of a rank's
+    /// input and output).
+    #[arg(long, default_value = "8", value_parser = parse_size)]
+    pub min_bytes: usize,
+    /// Largest size.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    pub max_bytes: usize,
+    /// Step between sizes (at least 2).
+    #[arg(long, default_value_t = 4)]
+    pub factor: usize,
+    /// Iterations per timed run (at least 1).
+    #[arg(long, default_value_t = 50)]
+    pub iters: usize,
+    /// Untimed iterations per way and size.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Timed runs per way and size, the median reported (at least 1).
+    #[arg(long, default_value_t = 7)]
+    pub repeats: usize,
+}
+
+impl Sweep {
+    /// The options' own rules.
+    pub fn check(&self) -> Result<(), String> {
+        if self.factor < 2 || self.iters == 0 || self.repeats == 0 || self.min_bytes > self.max_bytes {
+            return Err("need --factor >= 2, --iters and --repeats > 0, --min-bytes <= --max-bytes".into());
+        }
+        Ok(())
+    }
+
+    /// The sizes to time, from at least `smallest` bytes.
+    pub fn sizes(&self, smallest: usize) -> Vec<usize> {
+        sizes(self.min_bytes.max(smallest), self.max_bytes, self.factor)
+    }
+
+    /// Times the three ways at one size: `warmup` untimed iterations of each, then `repeats`
+    /// runs of `iters` iterations of each, rotating verified, unverified and raw. `run(way, n,
+    /// timed)` does `n` iterations of `way` and, when `timed`, returns their time in µs. Returns
+    /// each way's median run, per iteration.
+    pub fn time_ways<E>(
+        &self,
+        mut run: impl FnMut(Way, usize, bool) -> Result<f64, E>,
+    ) -> Result<[f64; 3], E> {
+        for way in Way::ALL {
+            run(way, self.warmup, false)?;
+        }
+        let mut times = [Vec::new(), Vec::new(), Vec::new()];
+        for rep in 0..3 * self.repeats {
+            let way = Way::ALL[rep % 3];
+            times[way as usize].push(run(way, self.iters, true)? / self.iters as f64);
+        }
+        Ok(times.map(median))
+    }
+}
+
+/// Starts the running benchmark again as two ranks in two processes, with its arguments, as a
+/// launcher would: rank `r` on GPU `local_ranks[r]`. Waits for both.
+pub fn spawn_procs(local_ranks: [usize; 2]) -> Result<(), String> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let kids = handoff::bootstrap::spawn_local(2, |rank, cmd| {
+        cmd.args(&args).env("LOCAL_RANK", local_ranks[rank].to_string());
+    })
+    .map_err(|e| e.to_string())?;
+    let failed: Vec<usize> = kids
+        .into_iter()
+        .enumerate()
+        .filter_map(|(r, mut k)| (!k.wait().map(|s| s.success()).unwrap_or(false)).then_some(r))
+        .collect();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("rank(s) {failed:?} failed"))
+    }
+}
 
 /// One size's medians, in µs per operation, indexed like [`WAYS`].
 #[derive(Debug, Clone, PartialEq)]
