@@ -10,9 +10,7 @@ use std::time::Duration;
 
 use common::{Gpus, assert_all_eq};
 use handoff::kernels::{self, produced_value};
-use handoff::{
-    CommOptions, Communicator, Device, DeviceBuffer, Error, Launch, ReduceOp, Stream, UniqueId, group,
-};
+use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Error, Launch, ReduceOp, Stream, group};
 use libtest_mimic::Failed;
 
 /// Not a power of two.
@@ -401,58 +399,47 @@ fn mismatches() -> Result<(), Failed> {
         PreMulSum,
     }
     for case in [Case::Op, Case::Count, Case::Root, Case::Kind, Case::PreMulSum] {
-        let id = UniqueId::new()?;
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                let id = id.clone();
-                std::thread::spawn(move || -> Result<String, String> {
-                    let run = || -> handoff::Result<handoff::Result<()>> {
-                        let dev = Device::new(rank)?;
-                        let opts = CommOptions::default().with_timeout(Duration::from_secs(20));
-                        let comm = Communicator::with_options(&dev, 2, rank, &id, opts)?;
-                        let s = Stream::new(&dev)?;
-                        let x = DeviceBuffer::from_slice(&s, &[1.0f32; 8])?;
-                        let mut y = DeviceBuffer::<f32>::zeros(&s, 8)?;
-                        let odd = rank == 1;
-                        Ok(match case {
-                            Case::Op => comm.all_reduce(
-                                &x,
-                                &mut y,
-                                if odd { ReduceOp::Max } else { ReduceOp::Sum },
-                                &s,
-                            ),
-                            Case::Count => comm.all_reduce(
-                                x.slice(..if odd { 7 } else { 8 })?,
-                                y.slice_mut(..if odd { 7 } else { 8 })?,
-                                ReduceOp::Sum,
-                                &s,
-                            ),
-                            Case::Root => comm.broadcast(&mut y, if odd { 0 } else { 1 }, &s),
-                            Case::Kind => {
-                                if odd {
-                                    comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
-                                } else {
-                                    comm.broadcast(&mut y, 0, &s)
-                                }
-                            }
-                            Case::PreMulSum => {
-                                if odd {
-                                    comm.all_reduce_pre_mul_sum(&x, &mut y, 2.0, &s)
-                                } else {
-                                    comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
-                                }
-                            }
-                        })
-                    };
-                    match run() {
-                        Ok(Err(Error::Mismatch { detail })) => Ok(detail),
-                        other => Err(format!("rank {rank}: expected a mismatch, got {other:?}")),
+        let opts = CommOptions::default().with_timeout(Duration::from_secs(20));
+        let results = common::two_threads([opts, opts], move |made| {
+            let run = || -> handoff::Result<handoff::Result<()>> {
+                let comm = made?;
+                let s = Stream::new(comm.device())?;
+                let x = DeviceBuffer::from_slice(&s, &[1.0f32; 8])?;
+                let mut y = DeviceBuffer::<f32>::zeros(&s, 8)?;
+                let odd = comm.rank() == 1;
+                Ok(match case {
+                    Case::Op => {
+                        comm.all_reduce(&x, &mut y, if odd { ReduceOp::Max } else { ReduceOp::Sum }, &s)
+                    }
+                    Case::Count => comm.all_reduce(
+                        x.slice(..if odd { 7 } else { 8 })?,
+                        y.slice_mut(..if odd { 7 } else { 8 })?,
+                        ReduceOp::Sum,
+                        &s,
+                    ),
+                    Case::Root => comm.broadcast(&mut y, if odd { 0 } else { 1 }, &s),
+                    Case::Kind => {
+                        if odd {
+                            comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
+                        } else {
+                            comm.broadcast(&mut y, 0, &s)
+                        }
+                    }
+                    Case::PreMulSum => {
+                        if odd {
+                            comm.all_reduce_pre_mul_sum(&x, &mut y, 2.0, &s)
+                        } else {
+                            comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
+                        }
                     }
                 })
-            })
-            .collect();
-        for (rank, h) in handles.into_iter().enumerate() {
-            let detail = h.join().map_err(|_| "panicked")??;
+            };
+            match run() {
+                Ok(Err(Error::Mismatch { detail })) => Ok(detail),
+                other => Err(format!("expected a mismatch, got {other:?}")),
+            }
+        })?;
+        for (rank, detail) in common::both_ok(results)?.iter().enumerate() {
             println!("{case:?}, rank {rank}: {detail}");
         }
     }
@@ -620,124 +607,84 @@ fn split_reordered(blocking: bool) -> Result<(), Failed> {
 /// that differs on one rank, and the third, whose all_reduce works. Non-blocking, NCCL writes
 /// the children's handles after `ncclCommSplit` returns.
 fn split_on_threads(blocking: bool) -> Result<(), Failed> {
-    let id = UniqueId::new()?;
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let id = id.clone();
-            std::thread::spawn(move || -> Result<(), String> {
-                let run = || -> handoff::Result<Result<(), String>> {
-                    let dev = Device::new(rank)?;
-                    let opts = CommOptions::default()
-                        .with_timeout(Duration::from_secs(20))
-                        .with_blocking(blocking);
-                    let comm = Communicator::with_options(&dev, 2, rank, &id, opts)?;
-                    let first = comm.split((rank == 0).then_some(0), 0)?;
-                    match (&first, rank) {
-                        (Some(c), 0) if c.world_size() == 1 => {}
-                        (None, 1) => {}
-                        _ => return Ok(Err(format!("first split gave {first:?}"))),
-                    }
-                    let both = comm.split(Some(1), 0)?.ok_or("no communicator".to_string());
-                    let both = match both {
-                        Ok(b) => b,
-                        Err(e) => return Ok(Err(e)),
-                    };
-                    if (both.rank(), both.world_size()) != (rank, 2) {
-                        return Ok(Err(format!("second split gave {both:?}")));
-                    }
-                    let s = Stream::new(&dev)?;
-                    let (x, mut y) = x_and_y(rank, &s)?;
-                    let op = if rank == 1 { ReduceOp::Max } else { ReduceOp::Sum };
-                    match both.all_reduce(&x, &mut y, op, &s) {
-                        Err(Error::Mismatch { .. }) => {}
-                        other => return Ok(Err(format!("expected a mismatch, got {other:?}"))),
-                    }
-                    drop(both);
-                    let again = comm
-                        .split(Some(1), 0)?
-                        .ok_or(Error::InvalidArgument("none".into()))?;
-                    again.all_reduce(&x, &mut y, ReduceOp::Sum, &s)?;
-                    let got = y.to_vec(&s)?;
-                    Ok((0..N)
-                        .find(|&i| got[i] != reduce_host(ReduceOp::Sum, 2, i))
-                        .map_or(Ok(()), |i| Err(format!("element {i} is {}", got[i]))))
-                };
-                run()
-                    .map_err(|e| e.to_string())
-                    .and_then(|r| r)
-                    .map_err(|e| format!("rank {rank}: {e}"))
-            })
-        })
-        .collect();
-    let mut errors = Vec::new();
-    for h in handles {
-        if let Err(e) = h.join().map_err(|_| "panicked".to_string()).and_then(|r| r) {
-            errors.push(e);
-        }
-    }
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(errors.join("; ").into())
-    }
+    let opts = CommOptions::default()
+        .with_timeout(Duration::from_secs(20))
+        .with_blocking(blocking);
+    let results = common::two_threads([opts, opts], |made| {
+        let run = || -> handoff::Result<Result<(), String>> {
+            let comm = made?;
+            let (rank, dev) = (comm.rank(), comm.device().clone());
+            let first = comm.split((rank == 0).then_some(0), 0)?;
+            match (&first, rank) {
+                (Some(c), 0) if c.world_size() == 1 => {}
+                (None, 1) => {}
+                _ => return Ok(Err(format!("first split gave {first:?}"))),
+            }
+            let both = comm.split(Some(1), 0)?.ok_or("no communicator".to_string());
+            let both = match both {
+                Ok(b) => b,
+                Err(e) => return Ok(Err(e)),
+            };
+            if (both.rank(), both.world_size()) != (rank, 2) {
+                return Ok(Err(format!("second split gave {both:?}")));
+            }
+            let s = Stream::new(&dev)?;
+            let (x, mut y) = x_and_y(rank, &s)?;
+            let op = if rank == 1 { ReduceOp::Max } else { ReduceOp::Sum };
+            match both.all_reduce(&x, &mut y, op, &s) {
+                Err(Error::Mismatch { .. }) => {}
+                other => return Ok(Err(format!("expected a mismatch, got {other:?}"))),
+            }
+            drop(both);
+            let again = comm
+                .split(Some(1), 0)?
+                .ok_or(Error::InvalidArgument("none".into()))?;
+            again.all_reduce(&x, &mut y, ReduceOp::Sum, &s)?;
+            let got = y.to_vec(&s)?;
+            Ok((0..N)
+                .find(|&i| got[i] != reduce_host(ReduceOp::Sum, 2, i))
+                .map_or(Ok(()), |i| Err(format!("element {i} is {}", got[i]))))
+        };
+        run().map_err(|e| e.to_string()).and_then(|r| r)
+    })?;
+    common::both_ok(results).map(|_| ())
 }
 
 /// Non-blocking: rank 0 splits (into `color`), rank 1 never does. Rank 0's split times out
 /// within its timeout, and its parent, which the split may have half used, is aborted. Left
 /// out (`None`), NCCL 2.28 would crash here if handed its "no color".
 fn split_times_out(color: Option<u32>) -> Result<(), Failed> {
-    let id = UniqueId::new()?;
     let timeout = Duration::from_secs(2);
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let id = id.clone();
-            std::thread::spawn(move || -> Result<(), String> {
-                let run = || -> handoff::Result<Result<(), String>> {
-                    let dev = Device::new(rank)?;
-                    // Made with a long timeout (tests run in parallel), split with a short one.
-                    let opts = CommOptions::default()
-                        .with_timeout(Duration::from_secs(20))
-                        .with_blocking(false);
-                    let mut comm = Communicator::with_options(&dev, 2, rank, &id, opts)?;
-                    comm.set_timeout(timeout);
-                    if rank == 1 {
-                        std::thread::sleep(3 * timeout);
-                        return Ok(Ok(()));
-                    }
-                    let t = std::time::Instant::now();
-                    let r = comm.split(color, 0);
-                    let took = t.elapsed();
-                    println!("rank 0's split returned after {took:?}: {r:?}");
-                    Ok(match r {
-                        Err(Error::Timeout { .. })
-                            if took < 2 * timeout && comm.broken_reason().is_some() =>
-                        {
-                            Ok(())
-                        }
-                        other => Err(format!(
-                            "expected a timeout within {:?} and the parent broken, got {other:?} after \
+    // Made with a long timeout (tests run in parallel), split with a short one.
+    let opts = CommOptions::default()
+        .with_timeout(Duration::from_secs(20))
+        .with_blocking(false);
+    let results = common::two_threads([opts, opts], move |made| {
+        let run = || -> handoff::Result<Result<(), String>> {
+            let mut comm = made?;
+            let rank = comm.rank();
+            comm.set_timeout(timeout);
+            if rank == 1 {
+                std::thread::sleep(3 * timeout);
+                return Ok(Ok(()));
+            }
+            let t = std::time::Instant::now();
+            let r = comm.split(color, 0);
+            let took = t.elapsed();
+            println!("rank 0's split returned after {took:?}: {r:?}");
+            Ok(match r {
+                Err(Error::Timeout { .. }) if took < 2 * timeout && comm.broken_reason().is_some() => Ok(()),
+                other => Err(format!(
+                    "expected a timeout within {:?} and the parent broken, got {other:?} after \
                              {took:?}, broken: {:?}",
-                            2 * timeout,
-                            comm.broken_reason()
-                        )),
-                    })
-                };
-                run()
-                    .map_err(|e| e.to_string())
-                    .and_then(|r| r)
-                    .map_err(|e| format!("rank {rank}: {e}"))
+                    2 * timeout,
+                    comm.broken_reason()
+                )),
             })
-        })
-        .collect();
-    let errors: Vec<String> = handles
-        .into_iter()
-        .filter_map(|h| h.join().map_err(|_| "panicked".to_string()).and_then(|r| r).err())
-        .collect();
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(errors.join("; ").into())
-    }
+        };
+        run().map_err(|e| e.to_string()).and_then(|r| r)
+    })?;
+    common::both_ok(results).map(|_| ())
 }
 
 /// PreMulSum with a different scalar on each rank (2 and 3), all-reduce and reduce-scatter, two

@@ -10,9 +10,9 @@ mod common;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{Gpus, assert_all_eq};
+use common::{Gpus, assert_all_eq, two_threads};
 use handoff::kernels::{self, produced_value};
-use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Error, Stream, UniqueId, group};
+use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Error, Stream, group};
 use libtest_mimic::Failed;
 
 fn main() {
@@ -127,29 +127,6 @@ fn both_directions_matched() -> Result<(), Failed> {
         }
     }
     Ok(())
-}
-
-/// Two ranks of one process, one thread each (the same path as two processes: shared-memory
-/// mailboxes), with default options.
-fn two_threads<T: Send + 'static>(
-    options: [CommOptions; 2],
-    body: impl Fn(Result<Communicator, Error>) -> Result<T, String> + Send + Sync + Clone + 'static,
-) -> Result<[Result<T, String>; 2], Failed> {
-    let id = UniqueId::new()?;
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let (id, body) = (id.clone(), body.clone());
-            let opts = options[rank];
-            std::thread::spawn(move || {
-                let made = Device::new(rank).and_then(|d| Communicator::with_options(&d, 2, rank, &id, opts));
-                body(made)
-            })
-        })
-        .collect();
-    let mut out = handles
-        .into_iter()
-        .map(|h| h.join().unwrap_or_else(|_| Err("panicked".into())));
-    Ok([out.next().unwrap(), out.next().unwrap()])
 }
 
 fn short_receive_across_threads() -> Result<(), Failed> {

@@ -142,3 +142,46 @@ pub fn one_rank(options: handoff::CommOptions) -> Result<(handoff::Device, hando
         .ok_or("no communicator")?;
     Ok((dev, comm))
 }
+
+/// Two ranks of one process, one thread each (the same path as two processes: shared-memory
+/// mailboxes), made with `options[rank]`; `body` gets each rank's communicator, or the error
+/// making it. A thread that panics reports "panicked".
+pub fn two_threads<T: Send + 'static>(
+    options: [handoff::CommOptions; 2],
+    body: impl Fn(Result<handoff::Communicator, handoff::Error>) -> Result<T, String>
+    + Send
+    + Sync
+    + Clone
+    + 'static,
+) -> Result<[Result<T, String>; 2], Failed> {
+    let id = handoff::UniqueId::new()?;
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let (id, body) = (id.clone(), body.clone());
+            let opts = options[rank];
+            std::thread::spawn(move || {
+                let made = handoff::Device::new(rank)
+                    .and_then(|d| handoff::Communicator::with_options(&d, 2, rank, &id, opts));
+                body(made)
+            })
+        })
+        .collect();
+    let mut out = handles
+        .into_iter()
+        .map(|h| h.join().unwrap_or_else(|_| Err("panicked".into())));
+    Ok([out.next().unwrap(), out.next().unwrap()])
+}
+
+/// Both ranks' values, or every rank's error, each named.
+pub fn both_ok<T>(results: [Result<T, String>; 2]) -> Result<[T; 2], Failed> {
+    match results {
+        [Ok(a), Ok(b)] => Ok([a, b]),
+        [a, b] => Err([a.err(), b.err()]
+            .into_iter()
+            .enumerate()
+            .filter_map(|(r, e)| e.map(|e| format!("rank {r}: {e}")))
+            .collect::<Vec<_>>()
+            .join("; ")
+            .into()),
+    }
+}
