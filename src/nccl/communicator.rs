@@ -379,17 +379,7 @@ impl Communicator {
             }
             return Err(e);
         }
-        // All ranks live here, made with one setting: their mailboxes are plain memory.
-        let clique = Arc::new(());
-        let regions: Arc<[Arc<Region>]> = (0..world)
-            .map(|r| Arc::new(Region::in_process(world, r)))
-            .collect();
-        for c in &mut comms {
-            c.clique = Some(clique.clone());
-            if options.verified() {
-                c.attach(regions.clone());
-            }
-        }
+        form_clique(comms.iter_mut().collect());
         Ok(comms)
     }
 
@@ -779,6 +769,23 @@ impl Communicator {
 }
 
 /// The live handle, or why there is none.
+/// Makes `members`, every rank of one communicator, all in this process and made with one
+/// setting, the ranks one thread drives together (see [`Communicator::init_all`]); verified,
+/// their mailboxes are plain memory, indexed by rank.
+pub(super) fn form_clique(members: Vec<&mut Communicator>) {
+    let world = members.len();
+    let clique = Arc::new(());
+    let regions: Arc<[Arc<Region>]> = (0..world)
+        .map(|r| Arc::new(Region::in_process(world, r)))
+        .collect();
+    for c in members {
+        c.clique = Some(clique.clone());
+        if c.options.verified() {
+            c.attach(regions.clone());
+        }
+    }
+}
+
 pub(crate) fn usable(state: &State) -> Result<ncclComm_t> {
     match &state.broken {
         Some(reason) => Err(Error::CommunicatorUnusable {

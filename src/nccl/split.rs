@@ -6,9 +6,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::nccl::communicator::{Communicator, Cut, usable};
+use crate::nccl::communicator::{Communicator, Cut, form_clique, usable};
 use crate::nccl::options::CommOptions;
-use crate::nccl::verify::mailbox::Region;
 use crate::nccl::watchdog;
 use crate::result::nccl as nc;
 use crate::sys::nccl::ncclComm_t;
@@ -249,14 +248,10 @@ impl Communicator {
             if *g != Some(i) {
                 continue;
             }
-            let members: Vec<usize> = (0..out.len()).filter(|&j| groups[j] == Some(i)).collect();
-            let world = members.len();
-            let clique = Arc::new(());
-            let regions: Arc<[Arc<Region>]> = (0..world)
-                .map(|r| Arc::new(Region::in_process(world, r)))
-                .collect();
-            for &j in &members {
-                let Some(comm) = out[j].as_mut() else {
+            let world = groups.iter().filter(|&&h| h == Some(i)).count();
+            let mut members = Vec::with_capacity(world);
+            for (j, comm) in out.iter_mut().enumerate().filter(|(j, _)| groups[*j] == Some(i)) {
+                let Some(comm) = comm.as_mut() else {
                     return Err(Error::Setup {
                         detail: format!("NCCL made no communicator for color {:?}", splits[j].0),
                     });
@@ -271,11 +266,9 @@ impl Communicator {
                         ),
                     });
                 }
-                comm.clique = Some(clique.clone());
-                if comm.options().verified() {
-                    comm.attach(regions.clone());
-                }
+                members.push(comm);
             }
+            form_clique(members);
         }
         Ok(out)
     }
