@@ -7,6 +7,8 @@
 #   bench.tar   the benchmarks' rows and plots: sendrecv-MODE.{csv,svg}, coll-MODE-OP.{csv,svg}
 set -u
 cd "$(dirname "$0")/.."
+# scripts/stage-device.sh packs the binaries; carried as .device.tar.gz, unpacked here.
+[ -f .device.tar.gz ] && tar -xzf .device.tar.gz
 out=${OUT:-device-logs}
 mkdir -p "$out"
 log="$out/run.log"

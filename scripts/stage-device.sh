@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds every test binary and example here and stages them into .device/ (git-ignored), to be
-# carried to the GPU machine: the device tool's `run` with carry [".device"] and the command
-# `bash scripts/device-run.sh`.
+# Builds every test binary and example here and stages them into .device/ (git-ignored), packed
+# into .device.tar.gz to be carried to the GPU machine (the device tool carries at most 64 MiB;
+# the binaries are more, packed about a third): the device tool's `run` with carry
+# [".device.tar.gz"] and the command `bash scripts/device-run.sh`, which unpacks it.
 #
 # Also builds the GPU tests a second time with use tracking bypassed
 # (--cfg handoff_bypass_tracking) into .device/bypass/: run on a GPU, their hazard tests must
@@ -42,7 +43,9 @@ cargo bench --no-run 2>&1 | tee /dev/stderr | executables | while IFS='|' read -
   case "$src" in benches/*) cp "$exe" "$stage/benches/$(basename "${src%.rs}")" ;; esac
 done
 
-RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu --test comm --test reliability --test threads --test user --test host --test cudarc --features cudarc
+RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu --test comm --test collectives --test reliability --test threads --test user --test host --test cudarc --features cudarc
 
 du -sh "$stage"
 ls -l "$stage"/*
+tar -czf .device.tar.gz "$stage"
+du -sh .device.tar.gz

@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{Gpus, assert_all_eq};
 use handoff::kernels::{self, produced_value};
@@ -199,7 +199,7 @@ fn stream_dropped_with_pending_work() -> Result<(), Failed> {
         let tmp = Stream::new(&dev)?;
         kernels::busy(&tmp, LONG)?;
         kernels::produce(&tmp, &mut x, 2)?;
-        let t = std::time::Instant::now();
+        let t = Instant::now();
         drop(tmp);
         if t.elapsed() > LONG / 2 {
             return Err(format!("dropping a busy stream blocked for {:?}", t.elapsed()).into());
@@ -214,14 +214,19 @@ fn events_time_gpu_work() -> Result<(), Failed> {
     kernels::busy(&s, Duration::ZERO)?;
     s.synchronize()?;
     let (start, end) = (Event::new(&dev)?, Event::new(&dev)?);
+    let host = Instant::now();
     s.record(&start)?;
     kernels::busy(&s, Duration::from_millis(50))?;
     s.record(&end)?;
     end.synchronize()?;
-    let ms = start.elapsed_ms(&end)?;
-    println!("50 ms of busy work timed at {ms:.2} ms");
-    if !(45.0..500.0).contains(&ms) {
-        return Err(format!("busy(50 ms) timed at {ms} ms").into());
+    let host_ms = host.elapsed().as_secs_f64() * 1e3;
+    let ms = f64::from(start.elapsed_ms(&end)?);
+    println!("50 ms of busy work timed at {ms:.2} ms (host saw {host_ms:.2} ms)");
+    // At least the kernel's 50 ms; at most what the host saw between queueing the first event
+    // and the second one completing. Not a fixed ceiling: the other tests of this binary run at
+    // the same time, and their kernels can hold the GPU's multiprocessors and start busy late.
+    if !(45.0..=host_ms + 1.0).contains(&ms) {
+        return Err(format!("busy(50 ms) timed at {ms} ms; the host saw {host_ms} ms").into());
     }
     let untimed = Event::without_timing(&dev)?;
     s.record(&untimed)?;
