@@ -257,7 +257,7 @@ pub fn plot(path: &str, title: &str, rows: &[Row], factor: f64) -> Result<(), St
             .margin(10)
             .x_label_area_size(35)
             .y_label_area_size(55)
-            .build_cartesian_2d((x0..x1).log_scale(), (lo..hi).log_scale())
+            .build_cartesian_2d((x0..x1).log_scale().base(4.0), (lo..hi).log_scale())
             .map_err(|x| e(&x))?;
         chart
             .configure_mesh()
@@ -281,17 +281,18 @@ pub fn plot(path: &str, title: &str, rows: &[Row], factor: f64) -> Result<(), St
     }
     // Panel 3: handoff's time over raw NCCL's, per size.
     let ratio = |r: &Row, w: usize| r.us[w] / r.us[2];
-    let (lo, hi) = range(
-        rows.iter()
-            .flat_map(|r| [ratio(r, 0), ratio(r, 1), 1.0])
-            .collect(),
-    );
+    // A linear axis from just below the smallest ratio to just above the largest (the log
+    // panels' decade of headroom would flatten ratios near 1).
+    let ratios: Vec<f64> = rows.iter().flat_map(|r| [ratio(r, 0), ratio(r, 1)]).collect();
+    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let pad = 0.05 * (hi - lo).max(0.1);
     let mut chart = ChartBuilder::on(&panels[2])
         .caption("handoff / raw NCCL (time)", ("sans-serif", 15))
         .margin(10)
         .x_label_area_size(35)
         .y_label_area_size(55)
-        .build_cartesian_2d((x0..x1).log_scale(), lo.min(0.95)..hi.max(1.05))
+        .build_cartesian_2d((x0..x1).log_scale().base(4.0), (lo.min(1.0) - pad)..(hi.max(1.0) + pad))
         .map_err(|x| e(&x))?;
     chart
         .configure_mesh()
