@@ -69,8 +69,14 @@ fn the_plot_has_three_panels_with_every_series() {
     assert!(svg.matches("<polyline").count() >= 3 * 2 + 2, "too few lines");
     // The ratio panel's linear axis hugs the ratios (1.0 to 1.1 here) instead of running to 10×,
     // and sizes are marked in powers of 4 (4K, not 1000).
-    assert!(!svg.contains("\n4.0\n"), "the ratio axis runs far past the ratios");
-    assert!(svg.contains("\n4K\n") && !svg.contains("\n1000\n"), "sizes not in powers of 4");
+    assert!(
+        !svg.contains("\n4.0\n"),
+        "the ratio axis runs far past the ratios"
+    );
+    assert!(
+        svg.contains("\n4K\n") && !svg.contains("\n1000\n"),
+        "sizes not in powers of 4"
+    );
     assert!(plot("/nonexistent/dir/x.svg", "t", &[], 1.0).is_err());
 }
 

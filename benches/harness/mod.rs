@@ -292,7 +292,10 @@ pub fn plot(path: &str, title: &str, rows: &[Row], factor: f64) -> Result<(), St
         .margin(10)
         .x_label_area_size(35)
         .y_label_area_size(55)
-        .build_cartesian_2d((x0..x1).log_scale().base(4.0), (lo.min(1.0) - pad)..(hi.max(1.0) + pad))
+        .build_cartesian_2d(
+            (x0..x1).log_scale().base(4.0),
+            (lo.min(1.0) - pad)..(hi.max(1.0) + pad),
+        )
         .map_err(|x| e(&x))?;
     chart
         .configure_mesh()
