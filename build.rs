@@ -88,6 +88,13 @@ const CUDART_FUNCTIONS: &[&str] = &[
     "cudaLibraryGetKernel",
     "cudaLaunchKernel",
     "cudaFuncGetAttributes",
+    "cudaStreamBeginCapture",
+    "cudaStreamEndCapture",
+    "cudaStreamIsCapturing",
+    "cudaGraphInstantiateWithFlags",
+    "cudaGraphLaunch",
+    "cudaGraphDestroy",
+    "cudaGraphExecDestroy",
 ];
 
 /// The NCCL functions the crate calls; all exist in NCCL 2.28.3, the oldest NCCL supported.
@@ -609,6 +616,7 @@ fn generate_cudart(includes: &[PathBuf]) -> String {
         .dynamic_library_name("CudartLib")
         .allowlist_type("cudaError_t|cudaError")
         .allowlist_type("cudaStream_t|cudaEvent_t|cudaMemPool_t|cudaLibrary_t|cudaKernel_t")
+        .allowlist_type("cudaGraph_t|cudaGraphExec_t|cudaStreamCaptureMode|cudaStreamCaptureStatus")
         .allowlist_type("cudaDeviceProp|cudaDeviceAttr|cudaMemcpyKind|cudaMemPoolAttr")
         .allowlist_type("cudaJitOption|cudaLibraryOption|cudaFuncAttributes|dim3")
         .allowlist_var("cudaStream.*|cudaEvent.*");

@@ -66,6 +66,8 @@ impl<T: Pod> DeviceBuffer<T> {
     /// are whatever the memory held (any bit pattern is a valid `T`, as `T: Pod`).
     fn alloc(stream: &Stream, len: usize) -> Result<Self> {
         let bytes = byte_len::<T>(len)?;
+        // Captured, cudaMallocAsync would make memory that exists only while the graph runs.
+        stream.check_not_capturing("allocating a buffer")?;
         let device = stream.device().clone();
         // Length 0 until the memory exists, so that an early return frees nothing.
         let mut buf = DeviceBuffer {
@@ -220,7 +222,8 @@ impl<T: Pod> DeviceBuffer<T> {
                 .try_for_each(|u| wait(&u.event))
         };
         waited?;
-        self.tracked.lock().take_all();
+        // Given away: a graph that captured a use of the buffer can no longer queue one.
+        self.tracked.lock().retire();
         let parts = (self.ptr, self.len);
         // Given up: `Drop` frees nothing (length 0), but still drops the tracker and device.
         self.len = 0;
@@ -241,7 +244,8 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 
     fn release(&mut self) -> Result<()> {
-        let pending = self.tracked.lock().take_all();
+        // Retired: a graph that captured a use of the buffer can no longer queue one.
+        let pending = self.tracked.lock().retire();
         if self.byte_len() == 0 {
             return Ok(());
         }

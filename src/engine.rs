@@ -23,30 +23,87 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::device::{Device, PooledEvent};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::stream::Stream;
-use crate::tracking::{Access, Held, UseTracker, record_and_store};
+use crate::tracking::{Access, CapturedUses, Held, UseTracker, record_and_store};
 
-/// The pending uses of one piece of device memory, and the device it lives on.
-pub(crate) struct Tracked {
+/// The pending uses of one piece of memory, and the device it lives on; shared (cheaply cloned)
+/// between the buffer and any graph that captured a use of it.
+#[derive(Clone)]
+pub(crate) struct Tracked(Arc<TrackedInner>);
+
+pub(crate) struct TrackedInner {
     pub(crate) device: Device,
+    /// Pinned host memory (a [`crate::HostBuffer`]), which the host reads and writes outside
+    /// stream order: never captured into a graph.
+    host: bool,
     uses: Mutex<UseTracker<Arc<PooledEvent>>>,
+}
+
+impl std::ops::Deref for Tracked {
+    type Target = TrackedInner;
+    fn deref(&self) -> &TrackedInner {
+        &self.0
+    }
 }
 
 impl Tracked {
     pub(crate) fn new(device: &Device) -> Tracked {
-        Tracked {
-            device: device.clone(),
-            uses: Mutex::new(UseTracker::new()),
-        }
+        Self::with(device, false)
     }
 
+    /// The tracker of pinned host memory.
+    pub(crate) fn new_host(device: &Device) -> Tracked {
+        Self::with(device, true)
+    }
+
+    fn with(device: &Device, host: bool) -> Tracked {
+        Tracked(Arc::new(TrackedInner {
+            device: device.clone(),
+            host,
+            uses: Mutex::new(UseTracker::new()),
+        }))
+    }
+
+    /// One key per piece of memory, whichever clone of the tracker it is reached through: the
+    /// engine's lock order and identity.
+    pub(crate) fn key(&self) -> usize {
+        Arc::as_ptr(&self.0) as usize
+    }
+
+    /// Whether two trackers are one piece of memory's.
+    pub(crate) fn same(a: &Tracked, b: &Tracked) -> bool {
+        Arc::ptr_eq(&a.0, &b.0)
+    }
+}
+
+impl TrackedInner {
     pub(crate) fn lock(&self) -> MutexGuard<'_, UseTracker<Arc<PooledEvent>>> {
         // A panic while holding the lock cannot leave the tracker half-updated in a way that
         // loses a use (each method updates it in one step), so a poisoned lock is still usable.
         self.uses.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
+
+/// A graph capture under way on a stream (see [`crate::Graph`]): held in the stream's
+/// [`crate::tracking::RecordOrder`], so the engine sees it under the lock it already takes.
+/// While it is there, operations on the stream are recorded into the graph, not run: the engine
+/// neither waits for earlier uses (the graph's replays will) nor records events (nothing ran);
+/// it notes each use for the replays to track.
+#[derive(Default)]
+pub(crate) struct CaptureState {
+    pub(crate) uses: CapturedUses<Tracked>,
+    /// What the graph's nodes refer to besides memory (the modules of captured kernels).
+    pub(crate) keep: Vec<Keep>,
+    /// The communicator given to the capture (its key), the only one whose operations it takes.
+    pub(crate) comm: Option<usize>,
+}
+
+/// Something a captured graph's nodes refer to, kept alive as long as the graph.
+pub(crate) type Keep = Arc<dyn std::any::Any + Send + Sync>;
+
+/// What a stream's order lock guards.
+pub(crate) type StreamState = Option<CaptureState>;
 
 /// One use of a buffer by the operation being queued.
 #[derive(Clone, Copy)]
@@ -99,19 +156,36 @@ pub(crate) fn check_devices(uses: &[TrackedUse<'_>]) -> Result<()> {
 /// The communicator's watchdog counts its deadline from there.
 pub(crate) type Before = Vec<Arc<PooledEvent>>;
 
+/// What kind of work an [`enqueue`] queues.
+#[derive(Clone, Copy)]
+pub(crate) enum Work<'k> {
+    /// CUDA work; `keep` is what it refers to besides memory (a kernel's module), which a graph
+    /// that captures it must keep alive.
+    Cuda { keep: Option<&'k Keep> },
+    /// NCCL work on the communicators with these keys ([`crate::Communicator`]'s `key`).
+    Nccl { comms: &'k [usize] },
+}
+
 /// Queues one operation that uses the given memory (steps 2 to 5 above; step 1 is
 /// [`check_devices`], which callers run before anything else they check). `recorded` is called
-/// with each record stream, the event recorded after the work there, and (for `nccl` work,
+/// with each record stream, the event recorded after the work there, and (for NCCL work,
 /// which [`Stream::synchronize`] also reports on) what its uses' streams ran before it.
 ///
 /// The uses are recorded even when `submit` fails: whatever part of the work reached a stream
 /// stays tracked.
+///
+/// On a stream that handoff is capturing into a graph (every stream of the operation must then
+/// be that one), the work is captured instead: see [`CaptureState`]; `recorded` is not called.
+/// On a stream that someone else is capturing, nothing is queued: [`Error::Capture`]. A use of
+/// memory that has been freed (reachable only through a graph that outlived a buffer) is
+/// refused.
 pub(crate) fn enqueue<R>(
     uses: &[TrackedUse<'_>],
-    nccl: bool,
+    work: Work<'_>,
     submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
     mut recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
 ) -> Result<R> {
+    let nccl = matches!(work, Work::Nccl { .. });
     // Each distinct stream once, in first-use order (few uses: a linear scan is fine). Record
     // streams are among them.
     let mut streams: Vec<&Stream> = Vec::with_capacity(2);
@@ -124,21 +198,45 @@ pub(crate) fn enqueue<R>(
     // Held in stream-id order, so that threads queueing on overlapping streams cannot deadlock.
     let mut by_id: Vec<usize> = (0..streams.len()).collect();
     by_id.sort_by_key(|&i| streams[i].id());
-    let mut held: Vec<Option<Held<'_>>> = (0..streams.len()).map(|_| None).collect();
+    let mut held: Vec<Option<Held<'_, StreamState>>> = (0..streams.len()).map(|_| None).collect();
     for i in by_id {
         held[i] = Some(streams[i].order().hold());
     }
-    // Each distinct tracker once, locked in address order.
+    let capturing = held.iter().any(|h| h.as_ref().is_some_and(|h| h.is_some()));
+    if capturing && streams.len() > 1 {
+        return Err(Error::Capture {
+            detail: "an operation captured into a graph may use only the stream being captured \
+                     (queue the other streams' work outside the capture)"
+                .into(),
+        });
+    }
+    if !capturing {
+        for s in &streams {
+            s.check_not_captured_elsewhere()?;
+        }
+    }
+    // Each distinct tracker once, locked in key order.
     let mut trackers: Vec<&Tracked> = Vec::with_capacity(uses.len());
     for u in uses {
-        if !trackers.iter().any(|t| std::ptr::eq(*t, u.tracked)) {
+        if !trackers.iter().any(|t| Tracked::same(t, u.tracked)) {
             trackers.push(u.tracked);
         }
     }
-    trackers.sort_by_key(|t| *t as *const Tracked as usize);
+    trackers.sort_by_key(|t| t.key());
     let mut locked: Vec<MutexGuard<'_, UseTracker<Arc<PooledEvent>>>> =
         trackers.iter().map(|t| t.lock()).collect();
-    let slot = |t: &Tracked| trackers.iter().position(|u| std::ptr::eq(*u, t)).expect("listed");
+    let slot = |t: &Tracked| trackers.iter().position(|u| Tracked::same(u, t)).expect("listed");
+    if locked.iter().any(|t| t.is_retired()) {
+        return Err(Error::InvalidArgument(
+            "a buffer this graph uses has been dropped: the graph cannot run again (capture a \
+             new one, or keep its buffers while it is used)"
+                .into(),
+        ));
+    }
+    if capturing {
+        let state = held[0].as_mut().and_then(|h| h.as_mut()).expect("capturing");
+        return capture(uses, work, state, submit);
+    }
     // Per record stream, what its uses' streams ran (and are made to wait for) before.
     let mut before: Vec<Before> = if nccl {
         vec![Vec::new(); streams.len()]
@@ -195,4 +293,44 @@ pub(crate) fn enqueue<R>(
         (Ok(r), None) => Ok(r),
         (Err(e), _) | (Ok(_), Some(e)) => Err(e),
     }
+}
+
+/// The capture branch of [`enqueue`]: checks that the work may go into the graph, notes its uses
+/// (before submitting, so that a partly captured operation is tracked too), and submits it.
+fn capture<R>(
+    uses: &[TrackedUse<'_>],
+    work: Work<'_>,
+    state: &mut CaptureState,
+    submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
+) -> Result<R> {
+    let refuse = |detail: &str| {
+        Err(Error::Capture {
+            detail: detail.into(),
+        })
+    };
+    if uses.iter().any(|u| u.tracked.host) {
+        return refuse(
+            "a pinned host buffer cannot be used in a graph (the host reads and writes it outside \
+             stream order): copy to or from it outside the capture, after a replay",
+        );
+    }
+    match work {
+        Work::Nccl { comms } => {
+            if comms.iter().any(|c| state.comm != Some(*c)) {
+                return refuse(
+                    "an NCCL operation in a graph must use the communicator given to \
+                     Graph::capture_with (make one for the graph, e.g. with Communicator::split)",
+                );
+            }
+        }
+        Work::Cuda { keep } => state.keep.extend(keep.cloned()),
+    }
+    for u in uses {
+        state.uses.note(u.tracked.clone(), u.access, Tracked::same);
+    }
+    let mut current = CurrentDevice::default();
+    if let Some(u) = uses.first() {
+        current.set(u.stream.device())?;
+    }
+    submit(&mut current)
 }

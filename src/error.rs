@@ -213,6 +213,14 @@ pub enum Error {
         detail: String,
     },
 
+    /// An operation that cannot take part in a CUDA graph capture: on a stream someone else is
+    /// capturing, or of a kind a handoff graph cannot hold. Nothing was queued.
+    #[error("graph capture: {detail}")]
+    Capture {
+        /// What was refused, and what to do instead.
+        detail: String,
+    },
+
     /// An argument was rejected before any CUDA or NCCL call was made.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

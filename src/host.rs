@@ -119,7 +119,7 @@ impl<T: Pod> HostBuffer<T> {
         let mut buf = HostBuffer {
             ptr: std::ptr::NonNull::<T>::dangling().as_ptr(),
             len: 0,
-            tracked: Tracked::new(device),
+            tracked: Tracked::new_host(device),
             filled_from: None,
             _marker: PhantomData,
         };
@@ -284,7 +284,7 @@ impl<T: Pod> HostBuffer<T> {
     fn release(&mut self) -> Result<()> {
         // Every pending use, not only those a write would wait for on some stream: the host
         // frees, and a free cannot be queued behind them on the GPU.
-        let pending = self.tracked.lock().take_all();
+        let pending = self.tracked.lock().retire();
         if self.byte_len() == 0 {
             return Ok(());
         }

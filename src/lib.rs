@@ -152,6 +152,7 @@ pub mod buffer;
 pub mod device;
 mod engine;
 pub mod error;
+pub mod graph;
 pub mod host;
 #[cfg(feature = "cudarc")]
 pub mod interop;
@@ -168,6 +169,7 @@ pub use bootstrap::Launch;
 pub use buffer::DeviceBuffer;
 pub use device::Device;
 pub use error::{Error, Result};
+pub use graph::Graph;
 pub use host::HostBuffer;
 pub use module::{ByValue, Function, KernelArg, LaunchBuilder, LaunchConfig, Module};
 pub use nccl::{CommOptions, Communicator, Group, NcclType, ReduceOp, UniqueId, group};

@@ -436,7 +436,9 @@ impl<'a> LaunchBuilder<'a> {
         config.check(&self.function.name, max_threads, max_shared)?;
         let mut args: Vec<*mut c_void> = self.values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
         let kernel = self.function.kernel;
-        self.stream.enqueue(&self.uses, |s| {
+        // A graph that captures the launch keeps the kernel's module loaded.
+        let module: crate::engine::Keep = self.function._module.clone();
+        self.stream.enqueue_keeping(&self.uses, Some(&module), |s| {
             // SAFETY: the caller vouches for the kernel and the arguments (this function's
             // contract); each pointer in `args` points to an argument's bytes, alive until the
             // launch returns (CUDA copies them); the stream waits for every conflicting use.

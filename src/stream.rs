@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytemuck::Pod;
 
 use crate::device::{Device, PooledEvent};
-use crate::engine::{self, Tracked, TrackedUse};
+use crate::engine::{self, Keep, StreamState, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::result as cu;
 use crate::sys::cudart::{cudaEvent_t, cudaStream_t};
@@ -25,8 +25,9 @@ pub struct Stream {
     raw: cudaStream_t,
     id: StreamId,
     device: Device,
-    /// Serialises recording tracking events here with storing them (see [`RecordOrder`]).
-    order: RecordOrder,
+    /// Serialises recording tracking events here with storing them (see [`RecordOrder`]), and
+    /// holds the graph capture under way here, if any.
+    order: RecordOrder<StreamState>,
     /// The newest tracking event recorded here, and the newest after an NCCL operation.
     last: Mutex<Last>,
     /// For a stream that belongs to someone else (cudarc's): what keeps its handle alive. Such
@@ -182,9 +183,11 @@ impl Stream {
     /// Records `event` here: it completes when the work queued so far has.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if the event belongs to another device; CUDA errors.
+    /// [`Error::InvalidArgument`] if the event belongs to another device; [`Error::Capture`]
+    /// while a graph is being captured here; CUDA errors.
     pub fn record(&self, event: &Event) -> Result<()> {
         self.check_device(&event.device, "the event")?;
+        self.check_not_capturing("recording an Event (a graph's replays are tracked by handoff)")?;
         // SAFETY: both handles are live and of the same device.
         unsafe { cu::event_record(event.raw, self.raw) }
     }
@@ -193,8 +196,9 @@ impl Stream {
     /// host does not block. The event may belong to another device.
     ///
     /// # Errors
-    /// CUDA errors.
+    /// [`Error::Capture`] while a graph is being captured here; CUDA errors.
     pub fn wait(&self, event: &Event) -> Result<()> {
+        self.check_not_capturing("waiting for an Event (a graph's replays are tracked by handoff)")?;
         // SAFETY: both handles are live; cross-device waits are allowed.
         unsafe { cu::stream_wait_event(self.raw, event.raw) }
     }
@@ -215,8 +219,41 @@ impl Stream {
         self.id
     }
 
-    pub(crate) fn order(&self) -> &RecordOrder {
+    pub(crate) fn order(&self) -> &RecordOrder<StreamState> {
         &self.order
+    }
+
+    /// True while handoff is capturing a graph here ([`crate::Graph::capture`]).
+    pub(crate) fn is_capturing(&self) -> bool {
+        self.order.hold().is_some()
+    }
+
+    /// [`Error::Capture`] while handoff is capturing a graph here: for `what`, which a graph
+    /// cannot hold.
+    pub(crate) fn check_not_capturing(&self, what: &str) -> Result<()> {
+        if self.is_capturing() {
+            return Err(Error::Capture {
+                detail: format!("{what} cannot be captured into a graph: do it outside the capture"),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`Error::Capture`] when someone other than handoff is capturing this stream into a CUDA
+    /// graph: tracking's events recorded there would be part of that graph, never complete as
+    /// events, and later waits on them would order nothing.
+    pub(crate) fn check_not_captured_elsewhere(&self) -> Result<()> {
+        // SAFETY: the handle is live for as long as `self`.
+        if unsafe { cu::stream_is_capturing(self.raw) }? {
+            return Err(Error::Capture {
+                detail: format!(
+                    "stream {} is being captured into a CUDA graph outside handoff: tracked work \
+                     cannot be queued on it (capture with handoff::Graph, or end the capture)",
+                    self.id.0
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Queues one operation on this stream that uses the given memory, through the crate's one
@@ -227,19 +264,36 @@ impl Stream {
         uses: &[(&Tracked, Access)],
         op: impl FnOnce(cudaStream_t) -> Result<R>,
     ) -> Result<R> {
+        self.enqueue_keeping(uses, None, op)
+    }
+
+    /// [`Stream::enqueue`] of work that refers to `keep` (a kernel's module): a graph that
+    /// captures it keeps `keep` alive.
+    pub(crate) fn enqueue_keeping<R>(
+        &self,
+        uses: &[(&Tracked, Access)],
+        keep: Option<&Keep>,
+        op: impl FnOnce(cudaStream_t) -> Result<R>,
+    ) -> Result<R> {
         let uses: Vec<TrackedUse<'_>> = uses
             .iter()
             .map(|&(tracked, access)| TrackedUse::on(self, tracked, access))
             .collect();
         engine::check_devices(&uses)?;
         if !uses.is_empty() {
-            return engine::enqueue(&uses, false, |_| op(self.raw), |_, _, _| {});
+            return engine::enqueue(&uses, Work::Cuda { keep }, |_| op(self.raw), |_, _, _| {});
         }
         // Work that touches no buffer: nothing to track, but later work on this stream starts
         // only after it, which a communicator's watchdog must know (its deadline for an
         // operation counts from the stream's previous work completing).
         self.device.set_current()?;
-        let held = self.order.hold();
+        let mut held = self.order.hold();
+        if let Some(capture) = held.as_mut() {
+            // Captured: nothing runs now, so nothing to record.
+            capture.keep.extend(keep.cloned());
+            return op(self.raw);
+        }
+        self.check_not_captured_elsewhere()?;
         let out = op(self.raw)?;
         let recorded = record_and_store(&held, || self.record_event(), |e| self.note_recorded(e, false));
         if recorded.is_err() {

@@ -66,6 +66,8 @@ pub struct UseTracker<E> {
     write: Option<Use<E>>,
     /// Reads since `write`, at most one per stream.
     reads: Vec<Use<E>>,
+    /// Set by [`UseTracker::retire`]: the memory is being freed, and no use may be added.
+    retired: bool,
 }
 
 impl<E> Default for UseTracker<E> {
@@ -73,6 +75,7 @@ impl<E> Default for UseTracker<E> {
         UseTracker {
             write: None,
             reads: Vec::new(),
+            retired: false,
         }
     }
 }
@@ -129,6 +132,20 @@ impl<E> UseTracker<E> {
         if BYPASSED { Vec::new() } else { all }
     }
 
+    /// [`UseTracker::take_all`] for a free: afterwards [`UseTracker::is_retired`] is true, and
+    /// whoever still refers to the tracker (a captured graph) must not queue a use of the memory.
+    /// Checked under the same lock as the free takes the events, so a use is either recorded
+    /// before (and the free waits for it) or refused.
+    pub fn retire(&mut self) -> Vec<E> {
+        self.retired = true;
+        self.take_all()
+    }
+
+    /// True once the memory has been (or is being) freed: see [`UseTracker::retire`].
+    pub fn is_retired(&self) -> bool {
+        self.retired
+    }
+
     /// The last write's event, if it is pending.
     pub fn last_write(&self) -> Option<&E> {
         self.write.as_ref().map(|u| &u.event)
@@ -156,25 +173,59 @@ impl<E> UseTracker<E> {
 /// later write on another stream waits for E1 alone (issue 9, hole 5). The engine holds it for
 /// its whole enqueue, so a stream's tracked operations are queued one at a time.
 #[derive(Debug, Default)]
-pub(crate) struct RecordOrder {
-    lock: std::sync::Mutex<()>,
+pub(crate) struct RecordOrder<S = ()> {
+    lock: std::sync::Mutex<S>,
 }
 
-/// Proof that the caller holds a stream's [`RecordOrder`].
-pub(crate) type Held<'a> = std::sync::MutexGuard<'a, ()>;
+/// Proof that the caller holds a stream's [`RecordOrder`], and the state it guards (a stream's
+/// graph capture, if one is under way).
+pub(crate) type Held<'a, S = ()> = std::sync::MutexGuard<'a, S>;
 
-impl RecordOrder {
+impl<S> RecordOrder<S> {
     /// Holds the stream's order until the guard is dropped.
-    pub(crate) fn hold(&self) -> Held<'_> {
+    pub(crate) fn hold(&self) -> Held<'_, S> {
         // A panic inside cannot leave anything half-done that the next caller relies on.
         self.lock.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
+/// The buffers a graph uses, each once with the strongest access the capture made of it (a
+/// buffer read then written, or written then read, is a write): every replay is one use of each,
+/// tracked like any other operation. `same` says whether two entries are one buffer.
+#[derive(Debug, Clone)]
+pub struct CapturedUses<T> {
+    uses: Vec<(T, Access)>,
+}
+
+impl<T> Default for CapturedUses<T> {
+    fn default() -> Self {
+        CapturedUses { uses: Vec::new() }
+    }
+}
+
+impl<T> CapturedUses<T> {
+    /// Notes that the capture used `t` with `access`.
+    pub fn note(&mut self, t: T, access: Access, same: impl Fn(&T, &T) -> bool) {
+        match self.uses.iter_mut().find(|(u, _)| same(u, &t)) {
+            Some((_, a)) => {
+                if access == Access::Write {
+                    *a = Access::Write;
+                }
+            }
+            None => self.uses.push((t, access)),
+        }
+    }
+
+    /// Each buffer once, with its access.
+    pub fn uses(&self) -> &[(T, Access)] {
+        &self.uses
+    }
+}
+
 /// Runs `record`, then `store` with what it returned, while the caller holds the stream's
 /// order (`_held`): no other recording on the stream comes in between.
-pub(crate) fn record_and_store<E, X>(
-    _held: &Held<'_>,
+pub(crate) fn record_and_store<E, X, S>(
+    _held: &Held<'_, S>,
     record: impl FnOnce() -> Result<E, X>,
     store: impl FnOnce(&E),
 ) -> Result<E, X> {
@@ -195,6 +246,33 @@ mod tests {
         let mut v: Vec<_> = t.waits(s, a).copied().collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn retiring_takes_every_use_and_marks_the_tracker() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Write, "w1");
+        t.record(S2, Access::Read, "r2");
+        assert!(!t.is_retired());
+        let mut all = t.retire();
+        all.sort();
+        if !BYPASSED {
+            assert_eq!(all, ["r2", "w1"]);
+        }
+        assert!(t.is_retired() && t.is_empty());
+    }
+
+    #[test]
+    fn captured_uses_keep_each_buffer_once_with_its_strongest_access() {
+        let mut c = CapturedUses::default();
+        let same = |a: &&str, b: &&str| a == b;
+        c.note("x", Access::Read, same);
+        c.note("y", Access::Write, same);
+        c.note("x", Access::Read, same);
+        assert_eq!(c.uses(), [("x", Access::Read), ("y", Access::Write)]);
+        c.note("x", Access::Write, same);
+        c.note("y", Access::Read, same);
+        assert_eq!(c.uses(), [("x", Access::Write), ("y", Access::Write)]);
     }
 
     #[test]
@@ -296,7 +374,7 @@ mod tests {
         use std::sync::{Arc, Barrier, Mutex};
         use std::time::Duration;
         for _ in 0..10 {
-            let order = Arc::new(RecordOrder::default());
+            let order: Arc<RecordOrder> = Arc::new(RecordOrder::default());
             let tracker = Arc::new(Mutex::new(UseTracker::<u32>::new()));
             // The stream: events are numbered in the order they are recorded.
             let clock = Arc::new(AtomicU32::new(0));

@@ -65,6 +65,8 @@ pub struct Communicator {
     pub(crate) boxes: Option<Mailboxes>,
     /// Identifies the ranks made together by one `init_all`.
     pub(crate) clique: Option<Arc<()>>,
+    /// Given to a graph ([`crate::Graph::capture_with`]), which owns it from then on.
+    pub(crate) in_graph: bool,
     /// NCCL calls on one communicator must not run concurrently: not `Sync`.
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -245,6 +247,7 @@ impl Communicator {
             options,
             boxes: None,
             clique: None,
+            in_graph: false,
             _not_sync: PhantomData,
         }
     }
@@ -506,7 +509,7 @@ impl Communicator {
         engine::check_devices(&uses)?;
         engine::enqueue(
             &uses,
-            true,
+            engine::Work::Nccl { comms: &[self.key()] },
             |_| {
                 let mut state = self.shared.lock();
                 let raw = usable(&state)?;
@@ -739,6 +742,20 @@ impl Communicator {
         state.broken = Some("finalized".into());
         // SAFETY: finalized; not used again (raw is now null).
         unsafe { nc::comm_destroy(raw) }
+    }
+
+    /// Runs `launch` (a replay of the graph that owns this communicator) under the
+    /// communicator's lock, once it is known to be usable: the watchdog cannot abort it during
+    /// the launch, and no launch follows an abort.
+    pub(crate) fn while_usable<R>(&self, launch: impl FnOnce() -> Result<R>) -> Result<R> {
+        let state = self.shared.lock();
+        usable(&state)?;
+        launch()
+    }
+
+    /// Identifies the communicator for graph capture (see [`crate::Graph::capture_with`]).
+    pub(crate) fn key(&self) -> usize {
+        Arc::as_ptr(&self.shared) as usize
     }
 
     /// Marks the communicator unusable because of `e` and aborts it.

@@ -258,6 +258,42 @@ impl<'a> Group<'a> {
             .chain(self.colls.iter().map(|c| (c.comm, c.stream)))
     }
 
+    /// Graph capture, checked before anything is verified or posted: a communicator given to
+    /// [`crate::Graph::capture_with`] works only on the stream being captured (its operations
+    /// then run at each replay, in the graph's order, and nowhere else), and no other
+    /// communicator's operation is captured (the engine refuses it too); PreMulSum's operator
+    /// does not outlive the group, so it is not captured.
+    fn check_capture(&self) -> Result<()> {
+        for (c, s) in self.all() {
+            let capturing = s.is_capturing();
+            if capturing != c.in_graph {
+                return Err(Error::Capture {
+                    detail: if capturing {
+                        "an NCCL operation in a graph must use the communicator given to \
+                         Graph::capture_with (make one for the graph, e.g. with Communicator::split)"
+                            .into()
+                    } else {
+                        "a communicator given to Graph::capture_with works only on the stream \
+                         being captured (its operations run at each replay)"
+                            .into()
+                    },
+                });
+            }
+        }
+        if self
+            .colls
+            .iter()
+            .any(|o| o.scalar.is_some() && o.stream.is_capturing())
+        {
+            return Err(Error::Capture {
+                detail: "a PreMulSum collective cannot be captured (its operator is made and \
+                         destroyed around each group): use Sum on pre-scaled input"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     /// The stream of `comm`'s first operation: where its tracking event is recorded.
     fn first_stream(&self, comm: &Communicator) -> &'a Stream {
         self.all()
@@ -450,6 +486,7 @@ impl<'a> Group<'a> {
             return Ok(());
         }
         let comms = self.comms();
+        self.check_capture()?;
         self.check_local()?;
         self.check_local_collectives()?;
         self.verify(&comms)?;
@@ -479,9 +516,10 @@ impl<'a> Group<'a> {
             }
             uses.push(use_of(c.comm, c.stream, c.recv.0, Access::Write));
         }
+        let keys: Vec<usize> = comms.iter().map(|c| c.key()).collect();
         let r = engine::enqueue(
             &uses,
-            true,
+            engine::Work::Nccl { comms: &keys },
             |_| self.post(&comms),
             |stream, event, before| {
                 // The communicators whose events are recorded on this stream, and the peers

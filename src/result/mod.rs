@@ -187,6 +187,88 @@ pub unsafe fn stream_wait_event(s: cudaStream_t, e: cudaEvent_t) -> Result<()> {
     })
 }
 
+/// `cudaStreamBeginCapture` in thread-local mode: work queued on `s` by this thread is recorded
+/// into a graph instead of running, until [`stream_end_capture`].
+///
+/// # Safety
+/// `s` is a live, non-default stream handle not being captured.
+pub unsafe fn stream_begin_capture(s: cudaStream_t) -> Result<()> {
+    // SAFETY: the caller vouches for the handle.
+    check("cudaStreamBeginCapture", unsafe {
+        lib()?.cudaStreamBeginCapture(s, rt::cudaStreamCaptureMode::cudaStreamCaptureModeThreadLocal)
+    })
+}
+
+/// `cudaStreamEndCapture`: the graph captured on `s` (which the caller then owns and destroys
+/// with [`graph_destroy`]).
+///
+/// # Safety
+/// `s` is a live stream handle that this thread is capturing.
+pub unsafe fn stream_end_capture(s: cudaStream_t) -> Result<rt::cudaGraph_t> {
+    let mut g = std::ptr::null_mut();
+    // SAFETY: the caller vouches for the handle; writes through a valid pointer.
+    check("cudaStreamEndCapture", unsafe {
+        lib()?.cudaStreamEndCapture(s, &mut g)
+    })?;
+    Ok(g)
+}
+
+/// `cudaStreamIsCapturing`: `true` while `s` is being captured into a graph (by anyone).
+///
+/// # Safety
+/// `s` is a live stream handle.
+pub unsafe fn stream_is_capturing(s: cudaStream_t) -> Result<bool> {
+    let mut status = rt::cudaStreamCaptureStatus::cudaStreamCaptureStatusNone;
+    // SAFETY: the caller vouches for the handle; writes through a valid pointer.
+    check("cudaStreamIsCapturing", unsafe {
+        lib()?.cudaStreamIsCapturing(s, &mut status)
+    })?;
+    Ok(status != rt::cudaStreamCaptureStatus::cudaStreamCaptureStatusNone)
+}
+
+/// `cudaGraphInstantiateWithFlags` with no flags.
+///
+/// # Safety
+/// `g` is a live graph handle.
+pub unsafe fn graph_instantiate(g: rt::cudaGraph_t) -> Result<rt::cudaGraphExec_t> {
+    let mut exec = std::ptr::null_mut();
+    // SAFETY: the caller vouches for the handle; writes through a valid pointer.
+    check("cudaGraphInstantiateWithFlags", unsafe {
+        lib()?.cudaGraphInstantiateWithFlags(&mut exec, g, 0)
+    })?;
+    Ok(exec)
+}
+
+/// `cudaGraphLaunch`.
+///
+/// # Safety
+/// `exec` and `s` are live handles of the same device; the memory the graph uses is allocated
+/// and ordered after its other uses.
+pub unsafe fn graph_launch(exec: rt::cudaGraphExec_t, s: cudaStream_t) -> Result<()> {
+    // SAFETY: the caller vouches for the handles.
+    check("cudaGraphLaunch", unsafe { lib()?.cudaGraphLaunch(exec, s) })
+}
+
+/// `cudaGraphExecDestroy`.
+///
+/// # Safety
+/// `exec` is a live executable graph, not used again.
+pub unsafe fn graph_exec_destroy(exec: rt::cudaGraphExec_t) -> Result<()> {
+    // SAFETY: the caller vouches for the handle.
+    check("cudaGraphExecDestroy", unsafe {
+        lib()?.cudaGraphExecDestroy(exec)
+    })
+}
+
+/// `cudaGraphDestroy`.
+///
+/// # Safety
+/// `g` is a live graph, not used again.
+pub unsafe fn graph_destroy(g: rt::cudaGraph_t) -> Result<()> {
+    // SAFETY: the caller vouches for the handle.
+    check("cudaGraphDestroy", unsafe { lib()?.cudaGraphDestroy(g) })
+}
+
 /// `cudaEventCreateWithFlags` on the current device.
 pub fn event_create(timing: bool) -> Result<cudaEvent_t> {
     let flags = if timing {

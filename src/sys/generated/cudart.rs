@@ -168,6 +168,34 @@ impl cudaMemcpyKind {
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct cudaMemcpyKind(pub ::std::os::raw::c_uint);
+impl cudaStreamCaptureStatus {
+    pub const cudaStreamCaptureStatusNone: cudaStreamCaptureStatus = cudaStreamCaptureStatus(
+        0,
+    );
+    pub const cudaStreamCaptureStatusActive: cudaStreamCaptureStatus = cudaStreamCaptureStatus(
+        1,
+    );
+    pub const cudaStreamCaptureStatusInvalidated: cudaStreamCaptureStatus = cudaStreamCaptureStatus(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct cudaStreamCaptureStatus(pub ::std::os::raw::c_uint);
+impl cudaStreamCaptureMode {
+    pub const cudaStreamCaptureModeGlobal: cudaStreamCaptureMode = cudaStreamCaptureMode(
+        0,
+    );
+    pub const cudaStreamCaptureModeThreadLocal: cudaStreamCaptureMode = cudaStreamCaptureMode(
+        1,
+    );
+    pub const cudaStreamCaptureModeRelaxed: cudaStreamCaptureMode = cudaStreamCaptureMode(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct cudaStreamCaptureMode(pub ::std::os::raw::c_uint);
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
 pub struct cudaFuncAttributes {
@@ -524,6 +552,12 @@ pub struct CUevent_st {
 pub type cudaEvent_t = *mut CUevent_st;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
+pub struct CUgraph_st {
+    _unused: [u8; 0],
+}
+pub type cudaGraph_t = *mut CUgraph_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
 pub struct CUkern_st {
     _unused: [u8; 0],
 }
@@ -571,6 +605,12 @@ pub struct CUmemPoolHandle_st {
     _unused: [u8; 0],
 }
 pub type cudaMemPool_t = *mut CUmemPoolHandle_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraphExec_st {
+    _unused: [u8; 0],
+}
+pub type cudaGraphExec_t = *mut CUgraphExec_st;
 pub struct CudartLib {
     __library: ::libloading::Library,
     pub cudaDeviceSynchronize: unsafe extern "C" fn() -> cudaError_t,
@@ -615,6 +655,18 @@ pub struct CudartLib {
     ) -> cudaError_t,
     pub cudaStreamSynchronize: unsafe extern "C" fn(stream: cudaStream_t) -> cudaError_t,
     pub cudaStreamQuery: unsafe extern "C" fn(stream: cudaStream_t) -> cudaError_t,
+    pub cudaStreamBeginCapture: unsafe extern "C" fn(
+        stream: cudaStream_t,
+        mode: cudaStreamCaptureMode,
+    ) -> cudaError_t,
+    pub cudaStreamEndCapture: unsafe extern "C" fn(
+        stream: cudaStream_t,
+        pGraph: *mut cudaGraph_t,
+    ) -> cudaError_t,
+    pub cudaStreamIsCapturing: unsafe extern "C" fn(
+        stream: cudaStream_t,
+        pCaptureStatus: *mut cudaStreamCaptureStatus,
+    ) -> cudaError_t,
     pub cudaEventCreateWithFlags: unsafe extern "C" fn(
         event: *mut cudaEvent_t,
         flags: ::std::os::raw::c_uint,
@@ -691,6 +743,19 @@ pub struct CudartLib {
     pub cudaRuntimeGetVersion: unsafe extern "C" fn(
         runtimeVersion: *mut ::std::os::raw::c_int,
     ) -> cudaError_t,
+    pub cudaGraphInstantiateWithFlags: unsafe extern "C" fn(
+        pGraphExec: *mut cudaGraphExec_t,
+        graph: cudaGraph_t,
+        flags: ::std::os::raw::c_ulonglong,
+    ) -> cudaError_t,
+    pub cudaGraphLaunch: unsafe extern "C" fn(
+        graphExec: cudaGraphExec_t,
+        stream: cudaStream_t,
+    ) -> cudaError_t,
+    pub cudaGraphExecDestroy: unsafe extern "C" fn(
+        graphExec: cudaGraphExec_t,
+    ) -> cudaError_t,
+    pub cudaGraphDestroy: unsafe extern "C" fn(graph: cudaGraph_t) -> cudaError_t,
     pub cudaLibraryLoadData: unsafe extern "C" fn(
         library: *mut cudaLibrary_t,
         code: *const ::std::os::raw::c_void,
@@ -750,6 +815,15 @@ impl CudartLib {
             .get(b"cudaStreamSynchronize\0")
             .map(|sym| *sym)?;
         let cudaStreamQuery = __library.get(b"cudaStreamQuery\0").map(|sym| *sym)?;
+        let cudaStreamBeginCapture = __library
+            .get(b"cudaStreamBeginCapture\0")
+            .map(|sym| *sym)?;
+        let cudaStreamEndCapture = __library
+            .get(b"cudaStreamEndCapture\0")
+            .map(|sym| *sym)?;
+        let cudaStreamIsCapturing = __library
+            .get(b"cudaStreamIsCapturing\0")
+            .map(|sym| *sym)?;
         let cudaEventCreateWithFlags = __library
             .get(b"cudaEventCreateWithFlags\0")
             .map(|sym| *sym)?;
@@ -784,6 +858,14 @@ impl CudartLib {
         let cudaRuntimeGetVersion = __library
             .get(b"cudaRuntimeGetVersion\0")
             .map(|sym| *sym)?;
+        let cudaGraphInstantiateWithFlags = __library
+            .get(b"cudaGraphInstantiateWithFlags\0")
+            .map(|sym| *sym)?;
+        let cudaGraphLaunch = __library.get(b"cudaGraphLaunch\0").map(|sym| *sym)?;
+        let cudaGraphExecDestroy = __library
+            .get(b"cudaGraphExecDestroy\0")
+            .map(|sym| *sym)?;
+        let cudaGraphDestroy = __library.get(b"cudaGraphDestroy\0").map(|sym| *sym)?;
         let cudaLibraryLoadData = __library
             .get(b"cudaLibraryLoadData\0")
             .map(|sym| *sym)?;
@@ -808,6 +890,9 @@ impl CudartLib {
             cudaStreamWaitEvent,
             cudaStreamSynchronize,
             cudaStreamQuery,
+            cudaStreamBeginCapture,
+            cudaStreamEndCapture,
+            cudaStreamIsCapturing,
             cudaEventCreateWithFlags,
             cudaEventRecord,
             cudaEventQuery,
@@ -826,6 +911,10 @@ impl CudartLib {
             cudaMemPoolSetAttribute,
             cudaDriverGetVersion,
             cudaRuntimeGetVersion,
+            cudaGraphInstantiateWithFlags,
+            cudaGraphLaunch,
+            cudaGraphExecDestroy,
+            cudaGraphDestroy,
             cudaLibraryLoadData,
             cudaLibraryUnload,
             cudaLibraryGetKernel,
@@ -909,6 +998,27 @@ impl CudartLib {
     }
     pub unsafe fn cudaStreamQuery(&self, stream: cudaStream_t) -> cudaError_t {
         (self.cudaStreamQuery)(stream)
+    }
+    pub unsafe fn cudaStreamBeginCapture(
+        &self,
+        stream: cudaStream_t,
+        mode: cudaStreamCaptureMode,
+    ) -> cudaError_t {
+        (self.cudaStreamBeginCapture)(stream, mode)
+    }
+    pub unsafe fn cudaStreamEndCapture(
+        &self,
+        stream: cudaStream_t,
+        pGraph: *mut cudaGraph_t,
+    ) -> cudaError_t {
+        (self.cudaStreamEndCapture)(stream, pGraph)
+    }
+    pub unsafe fn cudaStreamIsCapturing(
+        &self,
+        stream: cudaStream_t,
+        pCaptureStatus: *mut cudaStreamCaptureStatus,
+    ) -> cudaError_t {
+        (self.cudaStreamIsCapturing)(stream, pCaptureStatus)
     }
     pub unsafe fn cudaEventCreateWithFlags(
         &self,
@@ -1033,6 +1143,30 @@ impl CudartLib {
         runtimeVersion: *mut ::std::os::raw::c_int,
     ) -> cudaError_t {
         (self.cudaRuntimeGetVersion)(runtimeVersion)
+    }
+    pub unsafe fn cudaGraphInstantiateWithFlags(
+        &self,
+        pGraphExec: *mut cudaGraphExec_t,
+        graph: cudaGraph_t,
+        flags: ::std::os::raw::c_ulonglong,
+    ) -> cudaError_t {
+        (self.cudaGraphInstantiateWithFlags)(pGraphExec, graph, flags)
+    }
+    pub unsafe fn cudaGraphLaunch(
+        &self,
+        graphExec: cudaGraphExec_t,
+        stream: cudaStream_t,
+    ) -> cudaError_t {
+        (self.cudaGraphLaunch)(graphExec, stream)
+    }
+    pub unsafe fn cudaGraphExecDestroy(
+        &self,
+        graphExec: cudaGraphExec_t,
+    ) -> cudaError_t {
+        (self.cudaGraphExecDestroy)(graphExec)
+    }
+    pub unsafe fn cudaGraphDestroy(&self, graph: cudaGraph_t) -> cudaError_t {
+        (self.cudaGraphDestroy)(graph)
     }
     pub unsafe fn cudaLibraryLoadData(
         &self,

@@ -1,0 +1,292 @@
+//! [`Graph`]: tracked work captured once (CUDA stream capture) and replayed with one launch.
+//!
+//! # How a graph stays safe
+//! - **Capture.** While [`Graph::capture`] runs its closure, every tracked operation queued on
+//!   the stream is recorded into the graph instead of running (see the engine's capture branch):
+//!   it neither waits for nor records tracking events (nothing runs yet), and each buffer it
+//!   touches is noted with the strongest access the capture made of it. What a graph cannot hold
+//!   is refused with [`Error::Capture`], nothing queued: allocation, copies from or to host
+//!   slices and pinned buffers (the host touches those outside stream order), user events, work
+//!   on other streams in the same operation, NCCL on any communicator but the graph's own.
+//! - **Replays are tracked uses.** [`Graph::launch`] goes through the same engine as every
+//!   operation: the stream waits for the earlier uses each buffer's access conflicts with, and
+//!   one event after the replay is recorded as a use of every buffer. Host reads, other streams
+//!   and the next replay order themselves around replays exactly as around eager work.
+//! - **Buffers: the graph refers, the buffer owns.** A graph holds each buffer's tracker, not its
+//!   memory. Dropping a buffer frees the memory after every use queued so far (replays
+//!   included) and retires the tracker; a later replay of a graph that uses it is refused
+//!   ([`Error::InvalidArgument`]) before anything is queued. The check and the retirement happen
+//!   under the tracker's lock, so a replay is either queued before the free (which waits for
+//!   it) or refused. Memory is never kept alive behind the user's back, and never freed under a
+//!   replay. Kernels' modules, which the graph's nodes name, are kept loaded by the graph.
+//! - **NCCL: one communicator per graph.** [`Graph::capture_with`] takes a communicator by value
+//!   and owns it until the graph is dropped; only its operations can be captured, and from then
+//!   on it runs nothing but this graph's replays, on the stream it was captured on. Its
+//!   operations are verified across ranks once, at capture, like any group. Every rank's graph
+//!   over that communicator therefore holds the same operations in the same order, so whatever
+//!   the ranks replay, each NCCL operation can only meet its verified counterpart: replays of
+//!   one graph cannot be matched against another graph's or eager work. A rank that replays
+//!   more often than its peers waits for a counterpart that never comes; the communicator's
+//!   watchdog aborts it after its timeout (the bounded abort, [`Error::CommunicatorUnusable`]
+//!   on later waits), as for eager work. Make the graph's communicator with
+//!   [`Communicator::split`] (or a fresh [`Communicator::new`]).
+
+use std::sync::Arc;
+
+use crate::device::Device;
+use crate::engine::{self, CaptureState, Keep, Tracked, TrackedUse, Work};
+use crate::error::{Error, Result};
+use crate::nccl::Communicator;
+use crate::result as cu;
+use crate::stream::Stream;
+use crate::sys::cudart::cudaGraphExec_t;
+use crate::tracking::{Access, StreamId};
+
+/// Work captured on a stream once and replayed with one launch: the host cost of a replay is
+/// one `cudaGraphLaunch` and handoff's tracking, whatever the number of operations inside.
+///
+/// ```no_run
+/// use handoff::{Device, DeviceBuffer, Graph, Stream, kernels};
+/// # fn main() -> handoff::Result<()> {
+/// let dev = Device::new(0)?;
+/// let s = Stream::new(&dev)?;
+/// let mut x = DeviceBuffer::<f32>::zeros(&s, 4)?;
+/// let mut y = DeviceBuffer::<f32>::zeros(&s, 4)?;
+/// // Kernel A then kernel B, captured once...
+/// let graph = Graph::capture(&s, |s| {
+///     kernels::produce(s, &mut x, 1)?;
+///     kernels::twice(s, &x, &mut y)
+/// })?;
+/// // ...replayed as often as wanted; each replay is a tracked use of x and y.
+/// for _ in 0..100 {
+///     graph.launch(&s)?;
+/// }
+/// assert_eq!(y.to_vec(&s)?, [2.0, 4.0, 6.0, 8.0]);
+/// # Ok(()) }
+/// ```
+///
+/// See the [module documentation](self) for what keeps replays safe. `Send`, not `Sync` (a
+/// graph with NCCL operations owns its communicator, which is not `Sync`).
+pub struct Graph {
+    exec: Arc<Exec>,
+    device: Device,
+    /// The stream it was captured on: the only one a graph with NCCL operations replays on.
+    captured_on: StreamId,
+    uses: Vec<(Tracked, Access)>,
+    /// What the nodes refer to besides memory (kernels' modules).
+    _keep: Vec<Keep>,
+    /// The graph's own communicator, for graphs with NCCL operations. Dropped after `exec`.
+    comm: Option<Communicator>,
+}
+
+/// An instantiated graph, destroyed when the last holder lets go (CUDA frees one still running
+/// once it completes).
+struct Exec(cudaGraphExec_t);
+
+// SAFETY: an executable graph handle may be launched and destroyed from any thread.
+unsafe impl Send for Exec {}
+// SAFETY: as above; `&Exec` only launches.
+unsafe impl Sync for Exec {}
+
+impl Drop for Exec {
+    fn drop(&mut self) {
+        // SAFETY: instantiated by `Graph::capture_inner`, destroyed once, here; CUDA defers the
+        // destruction of a graph still running until it completes.
+        let _ = unsafe { cu::graph_exec_destroy(self.0) };
+    }
+}
+
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Graph")
+            .field("device", &self.device.ordinal())
+            .field("buffers", &self.uses.len())
+            .field("nccl", &self.comm.is_some())
+            .finish()
+    }
+}
+
+/// Ends the capture and clears the stream's capture state on every path out of the closure,
+/// panics included.
+struct Capturing<'s> {
+    stream: &'s Stream,
+    ended: bool,
+}
+
+impl Capturing<'_> {
+    /// Ends the capture: the captured graph (or CUDA's error) and what the capture noted.
+    fn end(mut self) -> (Result<crate::sys::cudart::cudaGraph_t>, CaptureState) {
+        self.ended = true;
+        // SAFETY: this thread began capturing the live stream in `Graph::capture_inner`.
+        let graph = unsafe { cu::stream_end_capture(self.stream.as_raw()) };
+        let state = self.stream.order().hold().take().unwrap_or_default();
+        (graph, state)
+    }
+}
+
+impl Drop for Capturing<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            // A panic in the closure: end the capture and throw the graph away.
+            // SAFETY: as in `end`.
+            if let Ok(g) = unsafe { cu::stream_end_capture(self.stream.as_raw()) } {
+                // SAFETY: just captured, owned here, not instantiated.
+                let _ = unsafe { cu::graph_destroy(g) };
+            }
+            self.stream.order().hold().take();
+        }
+    }
+}
+
+impl Graph {
+    /// Captures the tracked work `body` queues on `stream` into a graph, and instantiates it.
+    /// Nothing runs during the capture; [`Graph::launch`] runs it.
+    ///
+    /// Inside `body`, queue work on `stream` only (kernels, copies between device buffers,
+    /// fills); other streams run eagerly as usual. Refused with [`Error::Capture`] (and the
+    /// capture thrown away if `body` passes the error on): allocation, copies from or to host
+    /// memory, [`Stream::record`]/[`Stream::wait`], an operation spanning several streams, and
+    /// NCCL (see [`Graph::capture_with`]).
+    ///
+    /// # Errors
+    /// [`Error::Capture`] if the stream is already being captured (by handoff or anyone else);
+    /// the first error `body` returns (the capture is then discarded); CUDA errors (capture,
+    /// instantiation).
+    pub fn capture(stream: &Stream, body: impl FnOnce(&Stream) -> Result<()>) -> Result<Graph> {
+        Self::capture_inner(stream, None, |s, _| body(s))
+    }
+
+    /// As [`Graph::capture`], with NCCL operations on `comm`, which the graph owns from now on
+    /// (it is dropped with the graph, or at once if the capture fails). `body` gets it back by
+    /// reference to queue sends, receives, collectives and groups on `stream`; they are
+    /// verified across ranks now, as eager ones are, and replayed without being checked again.
+    /// Every rank must capture the same NCCL operations on this communicator, and replay the
+    /// graph as often as the others: a rank left waiting is aborted by the watchdog after the
+    /// communicator's timeout. A graph with NCCL operations replays only on `stream`.
+    ///
+    /// # Errors
+    /// As [`Graph::capture`]; [`Error::Capture`] for an NCCL operation of another communicator,
+    /// or of this one on another stream, or a PreMulSum collective; verification's errors.
+    pub fn capture_with(
+        stream: &Stream,
+        comm: Communicator,
+        body: impl FnOnce(&Stream, &Communicator) -> Result<()>,
+    ) -> Result<Graph> {
+        Self::capture_inner(stream, Some(comm), |s, c| {
+            body(s, c.expect("capture_with passes its communicator"))
+        })
+    }
+
+    fn capture_inner(
+        stream: &Stream,
+        mut comm: Option<Communicator>,
+        body: impl FnOnce(&Stream, Option<&Communicator>) -> Result<()>,
+    ) -> Result<Graph> {
+        stream.device().set_current()?;
+        {
+            let mut state = stream.order().hold();
+            if state.is_some() {
+                return Err(Error::Capture {
+                    detail: "the stream is already being captured into a graph".into(),
+                });
+            }
+            stream.check_not_captured_elsewhere()?;
+            if let Some(c) = comm.as_mut() {
+                c.in_graph = true;
+            }
+            // SAFETY: the stream is live, and not being captured (checked above, under the
+            // stream's order, which every tracked operation on it takes).
+            unsafe { cu::stream_begin_capture(stream.as_raw()) }?;
+            *state = Some(CaptureState {
+                comm: comm.as_ref().map(Communicator::key),
+                ..CaptureState::default()
+            });
+        }
+        let capturing = Capturing { stream, ended: false };
+        let ran = body(stream, comm.as_ref());
+        let (graph, state) = capturing.end();
+        let graph = match (ran, graph) {
+            (Ok(()), Ok(g)) => g,
+            (ran, graph) => {
+                if let Ok(g) = graph {
+                    // SAFETY: just captured, owned here, not instantiated.
+                    let _ = unsafe { cu::graph_destroy(g) };
+                }
+                return Err(ran.err().or(graph.err()).expect("one of them failed"));
+            }
+        };
+        // SAFETY: a live graph, captured above.
+        let exec = unsafe { cu::graph_instantiate(graph) };
+        // The executable graph is independent of the template: destroy it now.
+        // SAFETY: live, owned here, not used again.
+        let _ = unsafe { cu::graph_destroy(graph) };
+        let exec = Arc::new(Exec(exec?));
+        // A graph without NCCL operations does not need the communicator; keep it anyway: it
+        // was given to the graph, and its verification order has moved on with the capture.
+        Ok(Graph {
+            exec,
+            device: stream.device().clone(),
+            captured_on: stream.id(),
+            uses: state.uses.uses().to_vec(),
+            _keep: state.keep,
+            comm,
+        })
+    }
+
+    /// Runs the captured work once on `stream` (of the graph's device), after the earlier
+    /// uses of its buffers that it conflicts with; returns at once. Each replay is a tracked
+    /// use of every buffer the capture used, with the access it had there.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `stream` is on another device, if the graph has NCCL
+    /// operations and `stream` is not the one it was captured on, or if a buffer it uses has
+    /// been dropped; [`Error::Capture`] while `stream` is being captured;
+    /// [`Error::CommunicatorUnusable`] once the graph's communicator has been aborted; CUDA
+    /// errors.
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        stream.check_device(&self.device, "the graph")?;
+        stream.check_not_capturing("launching a graph")?;
+        let exec = self.exec.0;
+        let Some(comm) = &self.comm else {
+            let keep: Keep = self.exec.clone();
+            let uses: Vec<(&Tracked, Access)> = self.uses.iter().map(|(t, a)| (t, *a)).collect();
+            // SAFETY (in the closure): the executable graph is live (held by `self`) and of the
+            // stream's device; the engine made the stream wait for every conflicting use of the
+            // graph's buffers, none of which is freed (retired trackers are refused).
+            return stream.enqueue_keeping(&uses, Some(&keep), |s| unsafe { cu::graph_launch(exec, s) });
+        };
+        if stream.id() != self.captured_on {
+            return Err(Error::InvalidArgument(
+                "a graph with NCCL operations replays only on the stream it was captured on \
+                 (its communicator's operations must stay in one order)"
+                    .into(),
+            ));
+        }
+        let uses: Vec<TrackedUse<'_>> = self
+            .uses
+            .iter()
+            .map(|(t, a)| TrackedUse::on(stream, t, *a))
+            .collect();
+        engine::check_devices(&uses)?;
+        let key = [comm.key()];
+        engine::enqueue(
+            &uses,
+            Work::Nccl { comms: &key },
+            |_| {
+                // SAFETY: as above; the communicator is live (usable, lock held) and runs
+                // nothing but this graph's replays, all on this stream.
+                comm.while_usable(|| unsafe { cu::graph_launch(exec, stream.as_raw()) })
+            },
+            |_, event, before| {
+                let peers = (0..comm.world_size()).filter(|&r| r != comm.rank()).collect();
+                comm.note_pending(event, before, peers);
+            },
+        )
+    }
+
+    /// The graph's communicator, for graphs made with [`Graph::capture_with`]: to wait for its
+    /// replays ([`Communicator::synchronize`]) or read its rank.
+    pub fn communicator(&self) -> Option<&Communicator> {
+        self.comm.as_ref()
+    }
+}
