@@ -1,0 +1,321 @@
+//! CUDA graphs through handoff (issue 12): capture, tracked replays, what a capture refuses,
+//! buffers dropped under a graph, and NCCL replays on two ranks in different orders. The
+//! hazard tests fail with tracking bypassed (`scripts/stage-device.sh` builds that twin).
+//!
+//! Reported as ignored where no GPU is usable; see `tests/common/mod.rs`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Gpus, assert_all_eq};
+use handoff::kernels::{self, produced_value};
+use handoff::{CommOptions, Device, DeviceBuffer, Error, Event, Graph, HostBuffer, Stream, group};
+use libtest_mimic::Failed;
+
+/// Long enough that, without tracking, work queued after it on another stream runs while it
+/// still waits.
+const LONG: Duration = Duration::from_millis(300);
+
+fn main() {
+    let g = Gpus::detect();
+    common::run(vec![
+        g.trial("kernels_captured_once_replayed_100_times", 1, kernels_replayed),
+        g.trial(
+            "article_loop_with_self_send_recv_replayed_200_rounds",
+            1,
+            article_loop_replayed,
+        ),
+        g.trial(
+            "hazard_host_read_right_after_a_replay",
+            1,
+            hazard_host_read_after_replay,
+        ),
+        g.trial(
+            "hazard_replay_then_a_write_on_another_stream",
+            1,
+            hazard_replay_then_write,
+        ),
+        g.trial(
+            "a_buffer_dropped_under_a_graph_makes_its_replay_an_error",
+            1,
+            dropped_buffer,
+        ),
+        g.trial(
+            "tracked_work_on_a_stream_captured_outside_handoff_is_refused",
+            1,
+            foreign_capture,
+        ),
+        g.trial("what_a_capture_cannot_hold_is_refused", 1, refusals),
+        g.trial(
+            "replays_on_two_ranks_in_different_orders_end_right_or_bounded",
+            2,
+            replays_in_different_orders,
+        ),
+    ])
+}
+
+fn setup() -> Result<(Device, Stream, Stream), Failed> {
+    let dev = Device::new(0)?;
+    let (s1, s2) = (Stream::new(&dev)?, Stream::new(&dev)?);
+    Ok((dev, s1, s2))
+}
+
+/// Kernel A then kernel B, captured once; between replays x and y are overwritten eagerly, so
+/// every check sees what the replay itself computed.
+fn kernels_replayed() -> Result<(), Failed> {
+    let (_dev, s, _) = setup()?;
+    let n = 1001;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, n)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, n)?;
+    let graph = Graph::capture(&s, |s| {
+        kernels::produce(s, &mut x, 7)?;
+        kernels::twice(s, &x, &mut y)
+    })?;
+    // Captured, not run.
+    assert_all_eq("y before any replay", &y.to_vec(&s)?, |_| 0.0)?;
+    for round in 0..100 {
+        kernels::produce(&s, &mut x, 1000 + round)?;
+        y.memset_zero(&s)?;
+        graph.launch(&s)?;
+        if round % 10 == 9 {
+            assert_all_eq("y after a replay", &y.to_vec(&s)?, |i| 2.0 * produced_value(i, 7))?;
+            assert_all_eq("x after a replay", &x.to_vec(&s)?, |i| produced_value(i, 7))?;
+        }
+    }
+    println!("{graph:?}");
+    Ok(())
+}
+
+/// The article's round on one GPU: A writes x, x is sent to this rank itself and received into
+/// r, B computes y = 2r; captured with the graph's own communicator, replayed 200 times.
+fn article_loop_replayed() -> Result<(), Failed> {
+    let (_dev, comm) = common::one_rank(CommOptions::default())?;
+    let s = Stream::new(comm.device())?;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, 4)?;
+    let mut r = DeviceBuffer::<f32>::zeros(&s, 4)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 4)?;
+    let graph = Graph::capture_with(&s, comm, |s, comm| {
+        kernels::produce(s, &mut x, 3)?;
+        group(|g| {
+            g.send(comm, &x, 0, s)?;
+            g.recv(comm, &mut r, 0, s)
+        })?;
+        kernels::twice(s, &r, &mut y)
+    })?;
+    for round in 0..200 {
+        r.memset_zero(&s)?;
+        y.memset_zero(&s)?;
+        graph.launch(&s)?;
+        if round % 20 == 19 {
+            assert_all_eq("y", &y.to_vec(&s)?, |i| 2.0 * produced_value(i, 3))?;
+        }
+    }
+    graph
+        .communicator()
+        .ok_or("the graph has its communicator")?
+        .synchronize()?;
+    println!("200 rounds replayed, y = {:?}", y.to_vec(&s)?);
+    Ok(())
+}
+
+/// A replay writes y slowly (a long copy); the host reads y right after on another stream.
+fn hazard_host_read_after_replay() -> Result<(), Failed> {
+    let (_dev, s1, s2) = setup()?;
+    let n = 1 << 16;
+    let mut x = DeviceBuffer::<f32>::zeros(&s1, n)?;
+    kernels::produce(&s1, &mut x, 5)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s1, n)?;
+    let graph = Graph::capture(&s1, |s| kernels::delayed_copy(s, &x, &mut y, LONG))?;
+    s1.synchronize()?;
+    graph.launch(&s1)?;
+    assert_all_eq("y read right after the replay", &y.to_vec(&s2)?, |i| {
+        produced_value(i, 5)
+    })
+}
+
+/// A replay reads x slowly; x is rewritten on another stream right after the launch.
+fn hazard_replay_then_write() -> Result<(), Failed> {
+    let (_dev, s1, s2) = setup()?;
+    let n = 1 << 16;
+    let mut x = DeviceBuffer::<f32>::zeros(&s1, n)?;
+    kernels::produce(&s1, &mut x, 0)?;
+    let mut out = DeviceBuffer::<f32>::zeros(&s1, n)?;
+    let graph = Graph::capture(&s1, |s| kernels::delayed_copy(s, &x, &mut out, LONG))?;
+    s1.synchronize()?;
+    graph.launch(&s1)?;
+    kernels::produce(&s2, &mut x, 1)?;
+    assert_all_eq("the replay's copy", &out.to_vec(&s1)?, |i| produced_value(i, 0))?;
+    assert_all_eq("x after the write", &x.to_vec(&s2)?, |i| produced_value(i, 1))
+}
+
+/// Dropping a buffer the graph uses frees it after the replays queued so far; a later replay
+/// is refused before anything is queued, and the graph's other buffers are untouched.
+fn dropped_buffer() -> Result<(), Failed> {
+    let (_dev, s, _) = setup()?;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, 1000)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 1000)?;
+    let graph = Graph::capture(&s, |s| {
+        kernels::produce(s, &mut x, 2)?;
+        kernels::twice(s, &x, &mut y)
+    })?;
+    graph.launch(&s)?;
+    drop(x);
+    y.memset_zero(&s)?;
+    match graph.launch(&s) {
+        Err(Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("a replay after its buffer was dropped gave {other:?}").into()),
+    }
+    assert_all_eq("y (not rewritten by a refused replay)", &y.to_vec(&s)?, |_| 0.0)
+}
+
+/// Someone else captures the stream (raw CUDA): handoff queues nothing on it, and says why.
+fn foreign_capture() -> Result<(), Failed> {
+    let (_dev, s, _) = setup()?;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, 16)?;
+    s.synchronize()?;
+    // SAFETY: a live stream, not being captured; the capture is ended below.
+    unsafe { handoff::result::stream_begin_capture(s.as_raw()) }?;
+    let refused = kernels::produce(&s, &mut x, 1);
+    // SAFETY: this thread began the capture above.
+    let g = unsafe { handoff::result::stream_end_capture(s.as_raw()) }?;
+    // SAFETY: captured above, owned here.
+    unsafe { handoff::result::graph_destroy(g) }?;
+    match refused {
+        Err(Error::Capture { detail }) => println!("refused: {detail}"),
+        other => return Err(format!("a tracked launch on a foreign capture gave {other:?}").into()),
+    }
+    // The context is fine: the buffer is still usable.
+    kernels::produce(&s, &mut x, 4)?;
+    assert_all_eq("x afterwards", &x.to_vec(&s)?, |i| produced_value(i, 4))
+}
+
+/// Inside a capture: allocation, host copies, events, other communicators and the graph's own
+/// communicator on another stream are refused before any CUDA call, so the capture goes on.
+fn refusals() -> Result<(), Failed> {
+    let (dev, s, s2) = setup()?;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, 8)?;
+    let mut host = HostBuffer::<f32>::zeros(&dev, 8)?;
+    let event = Event::new(&dev)?;
+    let (_, other) = common::one_rank(CommOptions::default())?;
+    let mut r = DeviceBuffer::<f32>::zeros(&s, 8)?;
+    let mut seen = Vec::new();
+    let mut expect = |what: &str, r: handoff::Result<()>| match r {
+        Err(Error::Capture { detail }) => {
+            seen.push(format!("{what}: {detail}"));
+            Ok(())
+        }
+        other => Err(Error::InvalidArgument(format!(
+            "{what} in a capture gave {other:?}"
+        ))),
+    };
+    let graph = Graph::capture(&s, |s| {
+        expect("allocation", DeviceBuffer::<f32>::zeros(s, 8).map(drop))?;
+        expect("to_vec", x.to_vec(s).map(drop))?;
+        expect("copy_from_slice", x.copy_from_slice(s, &[1.0; 8]))?;
+        expect("pinned copy", x.copy_to_host(&mut host, s))?;
+        expect("record", s.record(&event))?;
+        expect("wait", s.wait(&event))?;
+        expect(
+            "NCCL on another communicator",
+            group(|g| {
+                g.send(&other, &x, 0, s)?;
+                g.recv(&other, &mut r, 0, s)
+            }),
+        )?;
+        kernels::produce(s, &mut x, 9)
+    })?;
+    let (_, comm) = common::one_rank(CommOptions::default())?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 8)?;
+    let g2 = Graph::capture_with(&s, comm, |s, comm| {
+        expect(
+            "the graph's communicator on another stream",
+            group(|g| {
+                g.send(comm, &x, 0, &s2)?;
+                g.recv(comm, &mut y, 0, &s2)
+            }),
+        )?;
+        kernels::twice(s, &x, &mut y)
+    })?;
+    for line in &seen {
+        println!("{line}");
+    }
+    if seen.len() != 8 {
+        return Err(format!("{} refusals, expected 8", seen.len()).into());
+    }
+    graph.launch(&s)?;
+    g2.launch(&s)?;
+    assert_all_eq("y after both graphs", &y.to_vec(&s)?, |i| {
+        2.0 * produced_value(i, 9)
+    })?;
+    match g2.launch(&s2) {
+        Err(Error::InvalidArgument(m)) => println!("another stream: {m}"),
+        other => return Err(format!("an NCCL graph on another stream gave {other:?}").into()),
+    }
+    Ok(())
+}
+
+/// Two ranks, two graphs each, one communicator per graph (the second split from the first),
+/// both captured on one stream. Rank 0 replays A then B, rank 1 B then A: each replay can
+/// meet only its own verified counterpart, so the ranks either finish with the right data or
+/// (the cross order deadlocks on the shared stream) the watchdog aborts within its timeout.
+/// Never wrong data, never an unbounded wait.
+fn replays_in_different_orders() -> Result<(), Failed> {
+    let timeout = Duration::from_secs(3);
+    let results = common::two_threads([CommOptions::default().with_timeout(timeout); 2], move |made| {
+        let comm_a = made.map_err(|e| e.to_string())?;
+        let rank = comm_a.rank();
+        let run = || -> handoff::Result<String> {
+            let comm_b = comm_a.split(Some(0), rank as i32)?.expect("colored");
+            let s = Stream::new(comm_a.device())?;
+            let n = 4096;
+            let mut a = DeviceBuffer::<f32>::zeros(&s, n)?;
+            let mut b = DeviceBuffer::<f32>::zeros(&s, n)?;
+            if rank == 0 {
+                kernels::produce(&s, &mut a, 11)?;
+                kernels::produce(&s, &mut b, 22)?;
+            }
+            let mut graphs = Vec::new();
+            for (comm, buf) in [(comm_a, &mut a), (comm_b, &mut b)] {
+                graphs.push(Graph::capture_with(&s, comm, |s, comm| {
+                    if rank == 0 {
+                        comm.send(&*buf, 1, s)
+                    } else {
+                        comm.recv(&mut *buf, 0, s)
+                    }
+                })?);
+            }
+            let order: [usize; 2] = if rank == 0 { [0, 1] } else { [1, 0] };
+            let t = Instant::now();
+            for g in order {
+                graphs[g].launch(&s)?;
+            }
+            let done = s.synchronize();
+            let took = t.elapsed();
+            match done {
+                Ok(()) => {
+                    if rank == 1 {
+                        let (va, vb) = (a.to_vec(&s)?, b.to_vec(&s)?);
+                        let ok = va.iter().enumerate().all(|(i, v)| *v == produced_value(i, 11))
+                            && vb.iter().enumerate().all(|(i, v)| *v == produced_value(i, 22));
+                        if !ok {
+                            return Ok(format!("WRONG DATA after {took:?}"));
+                        }
+                    }
+                    Ok(format!("completed with the right data in {took:?}"))
+                }
+                Err(_) if took > timeout * 10 => Ok(format!("UNBOUNDED wait: {took:?}")),
+                Err(e) => Ok(format!("error after {took:?}: {e}")),
+            }
+        };
+        run().map_err(|e| e.to_string())
+    })?;
+    let [r0, r1] = common::both_ok(results)?;
+    println!("rank 0: {r0}\nrank 1: {r1}");
+    for r in [&r0, &r1] {
+        if r.contains("WRONG") || r.contains("UNBOUNDED") {
+            return Err(r.clone().into());
+        }
+    }
+    Ok(())
+}
