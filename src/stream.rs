@@ -411,7 +411,10 @@ impl Stream {
     /// - `work` calls nothing of handoff's on this stream or these buffers (their locks are held
     ///   while it runs: such a call waits forever);
     /// - `work` does not panic once it has queued work (an unwinding `work` skips the recording,
-    ///   and the work would go untracked).
+    ///   and the work would go untracked);
+    /// - inside a [`crate::Graph`] capture on this stream, the work becomes part of the graph
+    ///   and runs at every replay: whatever it refers to besides the declared buffers (modules,
+    ///   host memory, handles) outlives the graph.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a buffer on another device; CUDA errors from the waits or
