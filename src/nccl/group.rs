@@ -266,12 +266,12 @@ impl<'a> Group<'a> {
     fn check_capture(&self) -> Result<()> {
         let mut all = self.all();
         let first = all.next().map(|(_, s)| s);
-        if let Some(first) = first.filter(|s| s.is_capturing()) {
-            if all.any(|(_, s)| !std::ptr::eq(s, first)) {
-                return Err(Error::Capture {
-                    detail: "a group captured into a graph may use only the stream being captured".into(),
-                });
-            }
+        if let Some(first) = first.filter(|s| s.is_capturing())
+            && all.any(|(_, s)| !std::ptr::eq(s, first))
+        {
+            return Err(Error::Capture {
+                detail: "a group captured into a graph may use only the stream being captured".into(),
+            });
         }
         for (c, s) in self.all() {
             let capturing = s.is_capturing();
