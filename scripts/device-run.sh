@@ -4,7 +4,8 @@
 # Logs go to $OUT (the device tool's folder) or ./device-logs.
 #   run.log     every test binary and example, in order, with a summary at the end
 #   bypass.log  the GPU tests with tracking bypassed: their hazard tests are expected to FAIL
-#   bench.tar   the benchmarks' rows and plots: sendrecv-MODE.{csv,svg}, coll-MODE-OP.{csv,svg}
+#   bench.tar   the benchmarks' rows and plots: sendrecv-MODE.{csv,svg}, coll-MODE-OP.{csv,svg},
+#               graphs-MODE.csv
 set -u
 cd "$(dirname "$0")/.."
 # scripts/stage-device.sh packs the binaries; carried as .device.tar.gz, unpacked here.
@@ -69,6 +70,18 @@ if [ -x .device/benches/collectives ] && [ "$gpus" -ge 2 ]; then
     .device/benches/collectives --mode "$m" --csv "$bench/coll-$m" --svg "$bench/coll-$m" \
       ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench collectives --mode $m")
+  done
+fi
+# The graphs benchmark (the article's round: handoff eager and graph, raw eager and graph): one
+# GPU always, two processes when there are two GPUs.
+if [ -x .device/benches/graphs ]; then
+  modes="self"
+  [ "$gpus" -ge 2 ] && modes="self procs"
+  for m in $modes; do
+    say "== bench graphs --mode $m"
+    # shellcheck disable=SC2086
+    .device/benches/graphs --mode "$m" --csv "$bench/graphs-$m.csv" ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench graphs --mode $m")
   done
 fi
 tar -cf "$out/bench.tar" -C "$bench" .

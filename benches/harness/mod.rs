@@ -74,13 +74,22 @@ impl Sweep {
         &self,
         mut run: impl FnMut(Way, usize, bool) -> Result<f64, E>,
     ) -> Result<[f64; 3], E> {
-        for way in Way::ALL {
-            run(way, self.warmup, false)?;
+        self.time_rotating(|w, n, timed| run(Way::ALL[w], n, timed))
+    }
+
+    /// [`Sweep::time_ways`] for any number `N` of ways, named by their index: `run(w, n,
+    /// timed)` does `n` iterations of way `w`; the ways rotate 0, 1, .., N-1 per repeat.
+    pub fn time_rotating<const N: usize, E>(
+        &self,
+        mut run: impl FnMut(usize, usize, bool) -> Result<f64, E>,
+    ) -> Result<[f64; N], E> {
+        for w in 0..N {
+            run(w, self.warmup, false)?;
         }
-        let mut times = [Vec::new(), Vec::new(), Vec::new()];
-        for rep in 0..3 * self.repeats {
-            let way = Way::ALL[rep % 3];
-            times[way as usize].push(run(way, self.iters, true)? / self.iters as f64);
+        let mut times: [Vec<f64>; N] = std::array::from_fn(|_| Vec::new());
+        for rep in 0..N * self.repeats {
+            let w = rep % N;
+            times[w].push(run(w, self.iters, true)? / self.iters as f64);
         }
         Ok(times.map(median))
     }
