@@ -66,8 +66,6 @@ impl<T: Pod> DeviceBuffer<T> {
     /// are whatever the memory held (any bit pattern is a valid `T`, as `T: Pod`).
     fn alloc(stream: &Stream, len: usize) -> Result<Self> {
         let bytes = byte_len::<T>(len)?;
-        // Captured, cudaMallocAsync would make memory that exists only while the graph runs.
-        stream.check_not_capturing("allocating a buffer")?;
         let device = stream.device().clone();
         // Length 0 until the memory exists, so that an early return frees nothing.
         let mut buf = DeviceBuffer {
@@ -80,7 +78,12 @@ impl<T: Pod> DeviceBuffer<T> {
         if bytes > 0 {
             // The allocation is a stream-ordered write: the memory exists for other streams only
             // once they have waited for it, which tracking then makes them do.
-            let ptr = stream.enqueue(&[(&buf.tracked, Access::Write)], |s| {
+            // Captured, cudaMallocAsync would make memory that exists only while the graph
+            // runs: refused in a capture.
+            let work = crate::engine::Work::Uncapturable {
+                what: "allocating a buffer",
+            };
+            let ptr = stream.enqueue_work(&[(&buf.tracked, Access::Write)], work, |s| {
                 // SAFETY: the stream is live and its device is current (enqueue set it).
                 unsafe { cu::malloc_async(bytes, s) }
             })?;
@@ -213,17 +216,18 @@ impl<T: Pod> DeviceBuffer<T> {
         mut self,
         mut wait: impl FnMut(&crate::device::PooledEvent) -> Result<()>,
     ) -> Result<(*mut T, usize)> {
-        let waited = {
-            let tracker = self.tracked.lock();
+        {
+            // One lock for the waits and the retirement: a graph's replay is either recorded
+            // before (and waited for here) or refused after.
+            let mut tracker = self.tracked.lock();
             // Bypassed tracking (a test build) leaves out the waits, as everywhere else.
             tracker
                 .uses()
                 .filter(|_| !crate::tracking::BYPASSED)
-                .try_for_each(|u| wait(&u.event))
-        };
-        waited?;
-        // Given away: a graph that captured a use of the buffer can no longer queue one.
-        self.tracked.lock().retire();
+                .try_for_each(|u| wait(&u.event))?;
+            // Given away: a graph that captured a use of the buffer can no longer queue one.
+            tracker.retire();
+        }
         let parts = (self.ptr, self.len);
         // Given up: `Drop` frees nothing (length 0), but still drops the tracker and device.
         self.len = 0;

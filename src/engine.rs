@@ -97,6 +97,31 @@ pub(crate) struct CaptureState {
     pub(crate) keep: Vec<Keep>,
     /// The communicator given to the capture (its key), the only one whose operations it takes.
     pub(crate) comm: Option<usize>,
+    /// The thread running the capture's closure, the only one whose work it takes: another
+    /// thread's work on the stream is refused, not silently moved into the graph (that thread
+    /// checked for a capture before it began, and would believe its work had run).
+    pub(crate) thread: Option<std::thread::ThreadId>,
+}
+
+impl CaptureState {
+    /// [`Error::Capture`] unless the calling thread is the one capturing.
+    pub(crate) fn check_thread(&self) -> Result<()> {
+        if self.thread != Some(std::thread::current().id()) {
+            return Err(Error::Capture {
+                detail: "the stream is being captured into a graph by another thread: queue \
+                         this work on another stream, or after the capture"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The refusal of `what`, which a graph cannot hold.
+pub(crate) fn not_capturable(what: &str) -> Error {
+    Error::Capture {
+        detail: format!("{what} cannot be captured into a graph: do it outside the capture"),
+    }
 }
 
 /// Something a captured graph's nodes refer to, kept alive as long as the graph.
@@ -164,6 +189,10 @@ pub(crate) enum Work<'k> {
     Cuda { keep: Option<&'k Keep> },
     /// NCCL work on the communicators with these keys ([`crate::Communicator`]'s `key`).
     Nccl { comms: &'k [usize] },
+    /// CUDA work that a graph cannot hold (an allocation, a copy from or to a host slice):
+    /// refused in a capture, checked under the stream's order so that a capture begun by
+    /// another thread cannot slip in between.
+    Uncapturable { what: &'k str },
 }
 
 /// Queues one operation that uses the given memory (steps 2 to 5 above; step 1 is
@@ -308,6 +337,10 @@ fn capture<R>(
             detail: detail.into(),
         })
     };
+    state.check_thread()?;
+    if let Work::Uncapturable { what } = work {
+        return Err(not_capturable(what));
+    }
     if uses.iter().any(|u| u.tracked.host) {
         return refuse(
             "a pinned host buffer cannot be used in a graph (the host reads and writes it outside \
@@ -324,6 +357,7 @@ fn capture<R>(
             }
         }
         Work::Cuda { keep } => state.keep.extend(keep.cloned()),
+        Work::Uncapturable { .. } => unreachable!("refused above"),
     }
     for u in uses {
         state.uses.note(u.tracked.clone(), u.access, Tracked::same);

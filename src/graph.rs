@@ -28,12 +28,31 @@
 //!   one graph cannot be matched against another graph's or eager work. A rank that replays
 //!   more often than its peers waits for a counterpart that never comes; the communicator's
 //!   watchdog aborts it after its timeout (the bounded abort, [`Error::CommunicatorUnusable`]
-//!   on later waits), as for eager work. Make the graph's communicator with
-//!   [`Communicator::split`] (or a fresh [`Communicator::new`]).
+//!   on later waits), as for eager work; and a rank never gets more than
+//!   [`MAX_REPLAYS_IN_FLIGHT`] replays ahead before waiting (bounded) for the oldest, so
+//!   `cudaGraphLaunch`, called under the communicator's lock, never blocks on a full queue of
+//!   its own replays. Make the graph's communicator with [`Communicator::split`] (or a fresh
+//!   [`Communicator::new`]).
+//! - **Threads.** While a capture is under way, only the thread running its closure can queue
+//!   work on the stream; another thread's tracked work there is refused, not moved into the
+//!   graph behind its back. Every refusal is decided under the stream's order lock, which the
+//!   capture holds to begin and to end, so no operation sees a capture that CUDA does not.
+//!
+//! # NCCL's own conditions
+//! NCCL connects peers lazily, on the first send or receive between them, and cannot do so
+//! inside a capture ("operation not permitted when stream is capturing", then the communicator
+//! is unusable): run one eager send/receive with each peer on the graph's communicator before
+//! capturing, or set `NCCL_RUNTIME_CONNECT=0` to connect at creation. NCCL's documentation
+//! warns that graphs of several communicators launched from one thread have been seen to
+//! deadlock CUDA through its support for mixing captured and eager work
+//! (`NCCL_GRAPH_MIXING_SUPPORT=0` turns that support off); handoff has not seen it (the tests
+//! launch two communicators' graphs from one thread), and cannot bound such a wait inside CUDA.
 
+use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::device::Device;
+use crate::device::{Device, PooledEvent};
 use crate::engine::{self, CaptureState, Keep, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::nccl::Communicator;
@@ -77,7 +96,16 @@ pub struct Graph {
     _keep: Vec<Keep>,
     /// The graph's own communicator, for graphs with NCCL operations. Dropped after `exec`.
     comm: Option<Communicator>,
+    /// Events after this graph's replays not yet seen complete, oldest first (NCCL graphs):
+    /// at most [`MAX_REPLAYS_IN_FLIGHT`].
+    in_flight: RefCell<VecDeque<Arc<PooledEvent>>>,
 }
+
+/// Replays of one NCCL graph queued and not yet complete, at most. A rank that runs ahead of
+/// its peers waits (with the communicator's timeout, then aborts it) for its oldest replay
+/// before queueing another, instead of filling the stream's queue until `cudaGraphLaunch`
+/// itself blocks, with the communicator's lock held, where the watchdog could not abort it.
+pub const MAX_REPLAYS_IN_FLIGHT: usize = 8;
 
 /// An instantiated graph, destroyed when the last holder lets go (CUDA frees one still running
 /// once it completes).
@@ -117,23 +145,27 @@ impl Capturing<'_> {
     /// Ends the capture: the captured graph (or CUDA's error) and what the capture noted.
     fn end(mut self) -> (Result<crate::sys::cudart::cudaGraph_t>, CaptureState) {
         self.ended = true;
+        // Under the stream's order, so that no operation sees the capture state while CUDA no
+        // longer captures (it would run untracked).
+        let mut held = self.stream.order().hold();
         // SAFETY: this thread began capturing the live stream in `Graph::capture_inner`.
         let graph = unsafe { cu::stream_end_capture(self.stream.as_raw()) };
-        let state = self.stream.order().hold().take().unwrap_or_default();
-        (graph, state)
+        (graph, held.take().unwrap_or_default())
     }
 }
 
 impl Drop for Capturing<'_> {
     fn drop(&mut self) {
         if !self.ended {
-            // A panic in the closure: end the capture and throw the graph away.
+            // A panic in the closure: end the capture and throw the graph away, under the
+            // stream's order as in `end`.
+            let mut held = self.stream.order().hold();
             // SAFETY: as in `end`.
             if let Ok(g) = unsafe { cu::stream_end_capture(self.stream.as_raw()) } {
                 // SAFETY: just captured, owned here, not instantiated.
                 let _ = unsafe { cu::graph_destroy(g) };
             }
-            self.stream.order().hold().take();
+            held.take();
         }
     }
 }
@@ -162,7 +194,9 @@ impl Graph {
     /// verified across ranks now, as eager ones are, and replayed without being checked again.
     /// Every rank must capture the same NCCL operations on this communicator, and replay the
     /// graph as often as the others: a rank left waiting is aborted by the watchdog after the
-    /// communicator's timeout. A graph with NCCL operations replays only on `stream`.
+    /// communicator's timeout. A graph with NCCL operations replays only on `stream`. Send and
+    /// receive with each peer once, eagerly, before capturing (see the [module
+    /// documentation](self): NCCL cannot connect peers inside a capture).
     ///
     /// # Errors
     /// As [`Graph::capture`]; [`Error::Capture`] for an NCCL operation of another communicator,
@@ -199,6 +233,7 @@ impl Graph {
             unsafe { cu::stream_begin_capture(stream.as_raw()) }?;
             *state = Some(CaptureState {
                 comm: comm.as_ref().map(Communicator::key),
+                thread: Some(std::thread::current().id()),
                 ..CaptureState::default()
             });
         }
@@ -230,6 +265,7 @@ impl Graph {
             uses: state.uses.uses().to_vec(),
             _keep: state.keep,
             comm,
+            in_flight: RefCell::default(),
         })
     }
 
@@ -245,15 +281,16 @@ impl Graph {
     /// errors.
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         stream.check_device(&self.device, "the graph")?;
-        stream.check_not_capturing("launching a graph")?;
         let exec = self.exec.0;
         let Some(comm) = &self.comm else {
-            let keep: Keep = self.exec.clone();
             let uses: Vec<(&Tracked, Access)> = self.uses.iter().map(|(t, a)| (t, *a)).collect();
+            let work = Work::Uncapturable {
+                what: "launching a graph",
+            };
             // SAFETY (in the closure): the executable graph is live (held by `self`) and of the
             // stream's device; the engine made the stream wait for every conflicting use of the
             // graph's buffers, none of which is freed (retired trackers are refused).
-            return stream.enqueue_keeping(&uses, Some(&keep), |s| unsafe { cu::graph_launch(exec, s) });
+            return stream.enqueue_work(&uses, work, |s| unsafe { cu::graph_launch(exec, s) });
         };
         if stream.id() != self.captured_on {
             return Err(Error::InvalidArgument(
@@ -268,6 +305,7 @@ impl Graph {
             .map(|(t, a)| TrackedUse::on(stream, t, *a))
             .collect();
         engine::check_devices(&uses)?;
+        self.bound_in_flight(comm)?;
         let key = [comm.key()];
         engine::enqueue(
             &uses,
@@ -280,8 +318,27 @@ impl Graph {
             |_, event, before| {
                 let peers = (0..comm.world_size()).filter(|&r| r != comm.rank()).collect();
                 comm.note_pending(event, before, peers);
+                self.in_flight.borrow_mut().push_back(event.clone());
             },
         )
+    }
+
+    /// Forgets replays seen complete; with [`MAX_REPLAYS_IN_FLIGHT`] still queued, waits for
+    /// the oldest (bounded by the communicator's timeout, which aborts it).
+    fn bound_in_flight(&self, comm: &Communicator) -> Result<()> {
+        let mut in_flight = self.in_flight.borrow_mut();
+        while let Some(oldest) = in_flight.front() {
+            // SAFETY: the event is kept alive by the Arc.
+            if !unsafe { cu::event_query(oldest.raw) }? {
+                break;
+            }
+            in_flight.pop_front();
+        }
+        if in_flight.len() >= MAX_REPLAYS_IN_FLIGHT {
+            let oldest = in_flight.pop_front().expect("full");
+            comm.wait_for(&[oldest], "an earlier replay of its graph")?;
+        }
+        Ok(())
     }
 
     /// The graph's communicator, for graphs made with [`Graph::capture_with`]: to wait for its

@@ -76,16 +76,17 @@ impl Stream {
     /// returned `Stream`. Work queued on either is in one order.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a context that is not `device`'s primary one, or for
-    /// cudarc's per-thread default stream (a different stream on each thread);
-    /// [`Error::Cudarc`] for an error cudarc had stashed.
+    /// [`Error::InvalidArgument`] for a context that is not `device`'s primary one, for
+    /// cudarc's per-thread default stream (a different stream on each thread), or for a stream
+    /// another live handoff `Stream` already wraps; [`Error::Cudarc`] for an error cudarc had
+    /// stashed.
     pub fn from_cudarc(stream: &Arc<CudaStream>, device: &Device) -> Result<Stream> {
         check_context(stream.context(), device)?;
         let raw = stream.cu_stream();
         check_handle(raw, "the cudarc stream")?;
         // SAFETY: a cudarc stream of the device's primary context is a runtime stream of the
         // device; the Arc kept in the Stream keeps it alive.
-        Ok(unsafe { Stream::from_owned_handle(raw.cast(), device, stream.clone()) })
+        unsafe { Stream::from_owned_handle(raw.cast(), device, stream.clone()) }
     }
 }
 
@@ -108,6 +109,16 @@ impl<T: Pod> DeviceBuffer<T> {
             return DeviceBuffer::zeros(stream, 0);
         }
         let theirs = slice.stream().clone();
+        let theirs_raw: cudaStream_t = theirs.cu_stream().cast();
+        // The event recorded below must be a real one, not a node of someone's graph capture.
+        // SAFETY: a live stream of the device's primary context.
+        if unsafe { cu::stream_is_capturing(theirs_raw) }? {
+            return Err(Error::Capture {
+                detail: "the slice's cudarc stream is being captured into a CUDA graph: move \
+                         the slice after the capture ends"
+                    .into(),
+            });
+        }
         let ctx = theirs.context().clone();
         // Queues the slice's stream's waits for its read and write events, and gives the
         // memory up without freeing it.
@@ -115,7 +126,6 @@ impl<T: Pod> DeviceBuffer<T> {
         ctx.check_err().map_err(|e| cudarc_error("CudaSlice::leak", e))?;
         device.set_current()?;
         // An event after everything the slice's stream holds, its waits included.
-        let theirs_raw: cudaStream_t = theirs.cu_stream().cast();
         let after = device.take_event()?;
         // SAFETY: both handles are live and of this device (primary context).
         unsafe { cu::event_record(after.raw, theirs_raw) }?;

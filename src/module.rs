@@ -438,7 +438,8 @@ impl<'a> LaunchBuilder<'a> {
         let kernel = self.function.kernel;
         // A graph that captures the launch keeps the kernel's module loaded.
         let module: crate::engine::Keep = self.function._module.clone();
-        self.stream.enqueue_keeping(&self.uses, Some(&module), |s| {
+        let work = crate::engine::Work::Cuda { keep: Some(&module) };
+        self.stream.enqueue_work(&self.uses, work, |s| {
             // SAFETY: the caller vouches for the kernel and the arguments (this function's
             // contract); each pointer in `args` points to an argument's bytes, alive until the
             // launch returns (CUDA copies them); the stream waits for every conflicting use.

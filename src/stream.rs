@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytemuck::Pod;
 
 use crate::device::{Device, PooledEvent};
-use crate::engine::{self, Keep, StreamState, Tracked, TrackedUse, Work};
+use crate::engine::{self, StreamState, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::result as cu;
 use crate::sys::cudart::{cudaEvent_t, cudaStream_t};
@@ -41,6 +41,13 @@ struct Last {
     nccl: Option<Arc<PooledEvent>>,
 }
 
+/// The handles of other owners' streams that a live `Stream` wraps (see
+/// [`Stream::from_owned_handle`]): few, so a list.
+fn wrapped_handles() -> MutexGuard<'static, Vec<usize>> {
+    static WRAPPED: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    WRAPPED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 // SAFETY: CUDA streams may be used from any host thread; the runtime serialises access.
 unsafe impl Send for Stream {}
 // SAFETY: every method takes `&self` and makes only thread-safe runtime calls.
@@ -61,6 +68,8 @@ impl Drop for Stream {
         // reused, never by handle, so handing the handle to a later Stream is safe.
         if self.owner.is_none() {
             self.device.park_stream(self.raw);
+        } else {
+            wrapped_handles().retain(|&h| h != self.raw as usize);
         }
     }
 }
@@ -99,20 +108,35 @@ impl Stream {
     ///
     /// # Safety
     /// `raw` is a live stream of `device`'s primary context for as long as `owner` lives.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] while another live `Stream` wraps the same handle: each would
+    /// keep its own order and capture state, and two threads could then interleave recording
+    /// and storing tracking events on one queue, or one could queue tracked work into the
+    /// other's graph capture. Share the first `Stream` instead.
     #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
     pub(crate) unsafe fn from_owned_handle(
         raw: cudaStream_t,
         device: &Device,
         owner: Arc<dyn std::any::Any + Send + Sync>,
-    ) -> Stream {
-        Stream {
+    ) -> Result<Stream> {
+        let mut wrapped = wrapped_handles();
+        if wrapped.contains(&(raw as usize)) {
+            return Err(Error::InvalidArgument(
+                "this stream is already wrapped by a live handoff Stream: share that one (by \
+                 reference or in an Arc) instead of wrapping the handle twice"
+                    .into(),
+            ));
+        }
+        wrapped.push(raw as usize);
+        Ok(Stream {
             raw,
             id: StreamId::fresh(),
             device: device.clone(),
             order: RecordOrder::default(),
             last: Mutex::default(),
             owner: Some(owner),
-        }
+        })
     }
 
     /// The device the stream belongs to.
@@ -187,9 +211,13 @@ impl Stream {
     /// while a graph is being captured here; CUDA errors.
     pub fn record(&self, event: &Event) -> Result<()> {
         self.check_device(&event.device, "the event")?;
-        self.check_not_capturing("recording an Event (a graph's replays are tracked by handoff)")?;
-        // SAFETY: both handles are live and of the same device.
-        unsafe { cu::event_record(event.raw, self.raw) }
+        self.outside_capture(
+            "recording an Event (a graph's replays are tracked by handoff)",
+            || {
+                // SAFETY: both handles are live and of the same device.
+                unsafe { cu::event_record(event.raw, self.raw) }
+            },
+        )
     }
 
     /// Makes work queued here after this call wait, on the GPU, for `event`'s last record. The
@@ -198,9 +226,13 @@ impl Stream {
     /// # Errors
     /// [`Error::Capture`] while a graph is being captured here; CUDA errors.
     pub fn wait(&self, event: &Event) -> Result<()> {
-        self.check_not_capturing("waiting for an Event (a graph's replays are tracked by handoff)")?;
-        // SAFETY: both handles are live; cross-device waits are allowed.
-        unsafe { cu::stream_wait_event(self.raw, event.raw) }
+        self.outside_capture(
+            "waiting for an Event (a graph's replays are tracked by handoff)",
+            || {
+                // SAFETY: both handles are live; cross-device waits are allowed.
+                unsafe { cu::stream_wait_event(self.raw, event.raw) }
+            },
+        )
     }
 
     pub(crate) fn check_device(&self, other: &Device, what: &str) -> Result<()> {
@@ -228,15 +260,15 @@ impl Stream {
         self.order.hold().is_some()
     }
 
-    /// [`Error::Capture`] while handoff is capturing a graph here: for `what`, which a graph
-    /// cannot hold.
-    pub(crate) fn check_not_capturing(&self, what: &str) -> Result<()> {
-        if self.is_capturing() {
-            return Err(Error::Capture {
-                detail: format!("{what} cannot be captured into a graph: do it outside the capture"),
-            });
+    /// Runs `f` (which queues `what` on this stream, untracked) under the stream's order, unless
+    /// handoff is capturing a graph here: [`Error::Capture`] then, as a graph cannot hold it.
+    /// Held, so that no capture can begin in between.
+    pub(crate) fn outside_capture<R>(&self, what: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let held = self.order.hold();
+        if held.is_some() {
+            return Err(engine::not_capturable(what));
         }
-        Ok(())
+        f()
     }
 
     /// [`Error::Capture`] when someone other than handoff is capturing this stream into a CUDA
@@ -264,15 +296,16 @@ impl Stream {
         uses: &[(&Tracked, Access)],
         op: impl FnOnce(cudaStream_t) -> Result<R>,
     ) -> Result<R> {
-        self.enqueue_keeping(uses, None, op)
+        self.enqueue_work(uses, Work::Cuda { keep: None }, op)
     }
 
-    /// [`Stream::enqueue`] of work that refers to `keep` (a kernel's module): a graph that
-    /// captures it keeps `keep` alive.
-    pub(crate) fn enqueue_keeping<R>(
+    /// [`Stream::enqueue`] of CUDA work of a kind (see [`Work`]): work that refers to `keep`
+    /// (a kernel's module), which a graph that captures it keeps alive, or work that a graph
+    /// cannot hold.
+    pub(crate) fn enqueue_work<R>(
         &self,
         uses: &[(&Tracked, Access)],
-        keep: Option<&Keep>,
+        work: Work<'_>,
         op: impl FnOnce(cudaStream_t) -> Result<R>,
     ) -> Result<R> {
         let uses: Vec<TrackedUse<'_>> = uses
@@ -281,7 +314,7 @@ impl Stream {
             .collect();
         engine::check_devices(&uses)?;
         if !uses.is_empty() {
-            return engine::enqueue(&uses, Work::Cuda { keep }, |_| op(self.raw), |_, _, _| {});
+            return engine::enqueue(&uses, work, |_| op(self.raw), |_, _, _| {});
         }
         // Work that touches no buffer: nothing to track, but later work on this stream starts
         // only after it, which a communicator's watchdog must know (its deadline for an
@@ -290,7 +323,12 @@ impl Stream {
         let mut held = self.order.hold();
         if let Some(capture) = held.as_mut() {
             // Captured: nothing runs now, so nothing to record.
-            capture.keep.extend(keep.cloned());
+            capture.check_thread()?;
+            match work {
+                Work::Cuda { keep } => capture.keep.extend(keep.cloned()),
+                Work::Uncapturable { what } => return Err(engine::not_capturable(what)),
+                Work::Nccl { .. } => unreachable!("NCCL work always uses buffers"),
+            }
             return op(self.raw);
         }
         self.check_not_captured_elsewhere()?;

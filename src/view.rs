@@ -162,14 +162,16 @@ impl<'a, T: Pod> View<'a, T> {
     /// fault in a kernel that wrote the buffer; [`Error::CommunicatorUnusable`] when the last
     /// write was an NCCL receive cut short by its communicator's abort.
     pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
-        // A graph would write the vector at every replay, long after it is returned.
-        stream.check_not_capturing("copying to a host vector")?;
         let mut out: Vec<T> = Vec::with_capacity(self.len);
         let bytes = self.byte_len();
         let src = self.ptr.cast::<c_void>();
         let dst = out.as_mut_ptr().cast::<c_void>();
         let written_by = self.tracked.lock().last_write().cloned();
-        let queued = stream.enqueue(&[(self.tracked, Access::Read)], |s| {
+        // A graph would write the vector at every replay, long after it is returned.
+        let work = engine::Work::Uncapturable {
+            what: "copying to a host vector",
+        };
+        let queued = stream.enqueue_work(&[(self.tracked, Access::Read)], work, |s| {
             if bytes == 0 {
                 return Ok(());
             }
@@ -328,10 +330,12 @@ impl<'a, T: Pod> ViewMut<'a, T> {
     /// errors.
     pub fn copy_from_slice(&mut self, stream: &Stream, data: &[T]) -> Result<()> {
         check_len(self.len, data.len(), "the host slice")?;
-        // A graph would read `data` at every replay, long after this borrow ends.
-        stream.check_not_capturing("copying from a host slice")?;
         let (dst, bytes) = (self.ptr.cast::<c_void>(), self.byte_len());
-        stream.enqueue(&[(self.tracked, Access::Write)], |s| {
+        // A graph would read `data` at every replay, long after this borrow ends.
+        let work = engine::Work::Uncapturable {
+            what: "copying from a host slice",
+        };
+        stream.enqueue_work(&[(self.tracked, Access::Write)], work, |s| {
             if bytes == 0 {
                 return Ok(());
             }

@@ -643,10 +643,21 @@ impl Communicator {
     /// [`Error::Timeout`], NCCL's asynchronous error, CUDA errors; [`Error::CommunicatorUnusable`].
     pub fn wait_stream(&self, stream: &Stream) -> Result<()> {
         usable(&self.shared.lock())?;
+        // The event recorded below must not be a node of a graph being captured.
+        if stream.is_capturing() {
+            return Err(crate::engine::not_capturable("waiting for a stream"));
+        }
+        stream.check_not_captured_elsewhere()?;
         self.bounded(|| {
             let e = stream.record_event()?;
             self.wait_events(&[e], "the work queued on a stream")
         })
+    }
+
+    /// Waits, with the communicator's timeout, for `events` (recorded after its work); on an
+    /// error, or past the timeout, aborts the communicator and returns the error.
+    pub(crate) fn wait_for(&self, events: &[Arc<PooledEvent>], what: &str) -> Result<()> {
+        self.bounded(|| self.wait_events(events, what))
     }
 
     /// Runs a wait; on its error, breaks the communicator.
