@@ -34,6 +34,11 @@ fn main() {
             1,
             cudarc_launch_on_handoff_buffers,
         ),
+        g.trial(
+            "a_cudarc_stream_is_wrapped_by_one_live_stream_at_a_time",
+            1,
+            one_wrapper_at_a_time,
+        ),
     ]);
 }
 
@@ -47,6 +52,22 @@ fn cudarc_streams() -> Result<Setup, Failed> {
     let ctx = CudaContext::new(0)?;
     let (a, b) = (ctx.new_stream()?, ctx.new_stream()?);
     Ok((dev, ctx, a, b))
+}
+
+/// Two handoff Streams over one cudarc stream would each keep their own order and capture
+/// state: the second is refused while the first lives, and allowed once it is gone.
+fn one_wrapper_at_a_time() -> Result<(), Failed> {
+    let (dev, _ctx, ca, _cb) = cudarc_streams()?;
+    let first = Stream::from_cudarc(&ca, &dev)?;
+    match Stream::from_cudarc(&ca, &dev) {
+        Err(handoff::Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("a second wrapper gave {other:?}").into()),
+    }
+    drop(first);
+    let again = Stream::from_cudarc(&ca, &dev)?;
+    let mut x = DeviceBuffer::<f32>::zeros(&again, N)?;
+    kernels::produce(&again, &mut x, 3)?;
+    assert_all_eq("x", &x.to_vec(&again)?, |i| kernels::produced_value(i, 3))
 }
 
 fn round_trip() -> Result<(), Failed> {

@@ -48,6 +48,16 @@ fn main() {
         ),
         g.trial("what_a_capture_cannot_hold_is_refused", 1, refusals),
         g.trial(
+            "another_thread_cannot_queue_work_into_a_capture",
+            1,
+            another_thread,
+        ),
+        g.trial(
+            "a_rank_replaying_alone_is_stopped_within_the_timeout",
+            2,
+            replaying_alone,
+        ),
+        g.trial(
             "replays_on_two_ranks_in_different_orders_end_right_or_bounded",
             2,
             replays_in_different_orders,
@@ -255,6 +265,86 @@ fn refusals() -> Result<(), Failed> {
     Ok(())
 }
 
+/// While thread A captures on a stream, thread B's tracked work on it is refused: it neither
+/// runs nor slips into A's graph.
+fn another_thread() -> Result<(), Failed> {
+    let (_dev, s, _) = setup()?;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, 64)?;
+    let mut z = DeviceBuffer::<f32>::zeros(&s, 64)?;
+    let mut from_b = None;
+    let graph = Graph::capture(&s, |s| {
+        kernels::produce(s, &mut x, 1)?;
+        from_b = Some(std::thread::scope(|t| {
+            t.spawn(|| kernels::produce(s, &mut z, 2))
+                .join()
+                .expect("no panic")
+        }));
+        Ok(())
+    })?;
+    match from_b {
+        Some(Err(Error::Capture { detail })) => println!("thread B refused: {detail}"),
+        other => return Err(format!("thread B's launch during A's capture gave {other:?}").into()),
+    }
+    graph.launch(&s)?;
+    assert_all_eq("x", &x.to_vec(&s)?, |i| produced_value(i, 1))?;
+    assert_all_eq("z (B's launch never ran)", &z.to_vec(&s)?, |_| 0.0)
+}
+
+/// Rank 0 replays its send graph 20 times while rank 1 never replays its receive graph: rank 0
+/// is stopped (its watchdog, or the wait for its oldest replay) within a few timeouts, never
+/// blocked for good inside a launch.
+fn replaying_alone() -> Result<(), Failed> {
+    let timeout = Duration::from_secs(2);
+    let results = common::two_threads([CommOptions::default().with_timeout(timeout); 2], move |made| {
+        let comm = made.map_err(|e| e.to_string())?;
+        let rank = comm.rank();
+        let run = || -> handoff::Result<String> {
+            let s = Stream::new(comm.device())?;
+            let mut a = DeviceBuffer::<f32>::zeros(&s, 1024)?;
+            if rank == 0 {
+                comm.send(&a, 1, &s)?;
+            } else {
+                comm.recv(&mut a, 0, &s)?;
+            }
+            let graph = Graph::capture_with(&s, comm, |s, comm| {
+                if rank == 0 {
+                    comm.send(&a, 1, s)
+                } else {
+                    comm.recv(&mut a, 0, s)
+                }
+            })?;
+            if rank == 1 {
+                return Ok("rank 1 captured and never replayed".into());
+            }
+            let t = Instant::now();
+            for i in 0..20 {
+                if let Err(e) = graph.launch(&s) {
+                    let late = if t.elapsed() > timeout * 5 {
+                        "UNBOUNDED "
+                    } else {
+                        ""
+                    };
+                    return Ok(format!("{late}replay {i} refused after {:?}: {e}", t.elapsed()));
+                }
+            }
+            match s.synchronize() {
+                Ok(()) => Ok(format!(
+                    "WRONG: 20 replays completed with no peer in {:?}",
+                    t.elapsed()
+                )),
+                Err(e) => Ok(format!("stopped after {:?}: {e}", t.elapsed())),
+            }
+        };
+        run().map_err(|e| e.to_string())
+    })?;
+    let [r0, r1] = common::both_ok(results)?;
+    println!("rank 0: {r0}\nrank 1: {r1}");
+    if r0.contains("WRONG") || r0.contains("UNBOUNDED") {
+        return Err(r0.into());
+    }
+    Ok(())
+}
+
 /// Two ranks, two graphs each, one communicator per graph (the second split from the first),
 /// both captured on one stream. Rank 0 replays A then B, rank 1 B then A: each replay can
 /// meet only its own verified counterpart, so the ranks either finish with the right data or
@@ -274,6 +364,16 @@ fn replays_in_different_orders() -> Result<(), Failed> {
             if rank == 0 {
                 kernels::produce(&s, &mut a, 11)?;
                 kernels::produce(&s, &mut b, 22)?;
+            }
+            // NCCL connects peers on their first transfer, which it cannot do in a capture.
+            for (comm, buf) in [(&comm_a, &mut a), (&comm_b, &mut b)] {
+                if rank == 0 {
+                    comm.send(&*buf, 1, &s)?;
+                } else {
+                    comm.recv(&mut *buf, 0, &s)?;
+                    // Received again only by replays: the check below sees theirs.
+                    buf.memset_zero(&s)?;
+                }
             }
             let mut graphs = Vec::new();
             for (comm, buf) in [(comm_a, &mut a), (comm_b, &mut b)] {
