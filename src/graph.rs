@@ -29,10 +29,13 @@
 //!   more often than its peers waits for a counterpart that never comes; the communicator's
 //!   watchdog aborts it after its timeout (the bounded abort, [`Error::CommunicatorUnusable`]
 //!   on later waits), as for eager work; and a rank never gets more than
-//!   [`MAX_REPLAYS_IN_FLIGHT`] replays ahead before waiting (bounded) for the oldest, so
-//!   `cudaGraphLaunch`, called under the communicator's lock, never blocks on a full queue of
-//!   its own replays. Make the graph's communicator with [`Communicator::split`] (or a fresh
-//!   [`Communicator::new`]).
+//!   [`MAX_REPLAYS_IN_FLIGHT`] replays ahead before waiting (bounded) for the oldest. NCCL's
+//!   abort waits until every graph that captured the communicator is destroyed before it
+//!   frees anything; a graph's communicator is therefore aborted on a thread of its own, which
+//!   ends when the graph is dropped, so neither the watchdog nor a failing launch waits for the
+//!   graph they are part of, and a replay racing the abort stops at once on the GPU with
+//!   NCCL's resources still alive. Make the graph's communicator with
+//!   [`Communicator::split`] (or a fresh [`Communicator::new`]).
 //! - **Threads.** While a capture is under way, only the thread running its closure can queue
 //!   work on the stream; another thread's tracked work there is refused, not moved into the
 //!   graph behind its back. Every refusal is decided under the stream's order lock, which the
@@ -103,8 +106,8 @@ pub struct Graph {
 
 /// Replays of one NCCL graph queued and not yet complete, at most. A rank that runs ahead of
 /// its peers waits (with the communicator's timeout, then aborts it) for its oldest replay
-/// before queueing another, instead of filling the stream's queue until `cudaGraphLaunch`
-/// itself blocks, with the communicator's lock held, where the watchdog could not abort it.
+/// before queueing another: its failure shows within one timeout of the replay that found no
+/// peer, and it does not fill the stream's queue until `cudaGraphLaunch` itself blocks.
 pub const MAX_REPLAYS_IN_FLIGHT: usize = 8;
 
 /// An instantiated graph, destroyed when the last holder lets go (CUDA frees one still running
@@ -226,7 +229,7 @@ impl Graph {
             }
             stream.check_not_captured_elsewhere()?;
             if let Some(c) = comm.as_mut() {
-                c.in_graph = true;
+                c.give_to_graph();
             }
             // SAFETY: the stream is live, and not being captured (checked above, under the
             // stream's order, which every tracked operation on it takes).
@@ -311,9 +314,14 @@ impl Graph {
             &uses,
             Work::Nccl { comms: &key },
             |_| {
-                // SAFETY: as above; the communicator is live (usable, lock held) and runs
-                // nothing but this graph's replays, all on this stream.
-                comm.while_usable(|| unsafe { cu::graph_launch(exec, stream.as_raw()) })
+                comm.check_usable()?;
+                // Not under the communicator's lock: a launch that blocks (a full queue) must
+                // leave the watchdog free to abort the communicator, which stops the GPU work
+                // it waits behind. A launch racing an abort is harmless: its NCCL kernels see
+                // the abort and stop, and NCCL frees nothing while this graph lives.
+                // SAFETY: as above; the communicator runs nothing but this graph's replays,
+                // all on this stream.
+                unsafe { cu::graph_launch(exec, stream.as_raw()) }
             },
             |_, event, before| {
                 let peers = (0..comm.world_size()).filter(|&r| r != comm.rank()).collect();

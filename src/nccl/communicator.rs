@@ -92,6 +92,8 @@ pub(crate) struct State {
     /// Every rank's mailbox (verified communicators): this rank's is marked broken with the
     /// communicator so that no peer waits for it, and carries the watchdog's heartbeat.
     pub(crate) regions: Option<Arc<[Arc<Region>]>>,
+    /// Owned by a graph: see [`State::break_with`].
+    pub(crate) in_graph: bool,
 }
 
 pub(crate) struct Pending {
@@ -133,15 +135,39 @@ impl State {
             mine.set_broken();
         }
         let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
-        if !raw.is_null() {
+        if raw.is_null() {
+            return;
+        }
+        let raw = Raw(raw);
+        let abort = move |raw: Raw| {
             // Best effort: NCCL sets the communicator's device itself, and the abort must
             // happen whatever (it also ends a split still writing a child's handle).
             let _ = crate::result::set_device(ordinal);
             // SAFETY: `raw` was live and is not used again (now null).
-            let _ = unsafe { nc::comm_abort(raw) };
+            let _ = unsafe { nc::comm_abort(raw.0) };
+        };
+        if self.in_graph {
+            // NCCL's abort first tells the GPU work to stop, then waits until every graph that
+            // captured the communicator is destroyed before it frees anything (its
+            // `commDestroySync`). The graph that owns this one is alive (the caller may be
+            // inside its launch, or the watchdog holding this lock): abort on a thread of its
+            // own, which ends once the graph is dropped. Replays launched meanwhile stop at
+            // once; NCCL's resources outlive them.
+            let _ = std::thread::Builder::new()
+                .name("handoff-graph-abort".into())
+                .spawn(move || abort(raw));
+        } else {
+            abort(raw);
         }
     }
 }
+
+/// A communicator handle handed to the thread that aborts it.
+struct Raw(crate::sys::nccl::ncclComm_t);
+
+// SAFETY: NCCL lets any thread use a communicator as long as one at a time does; the handle is
+// taken out of the state (left null) before it is handed over, so no other thread uses it.
+unsafe impl Send for Raw {}
 
 impl State {
     /// This rank's mailbox, if verified.
@@ -234,6 +260,7 @@ impl Communicator {
                 pending: VecDeque::new(),
                 timeout: options.timeout(),
                 regions: None,
+                in_graph: false,
                 rank,
             }),
             rank,
@@ -755,13 +782,16 @@ impl Communicator {
         unsafe { nc::comm_destroy(raw) }
     }
 
-    /// Runs `launch` (a replay of the graph that owns this communicator) under the
-    /// communicator's lock, once it is known to be usable: the watchdog cannot abort it during
-    /// the launch, and no launch follows an abort.
-    pub(crate) fn while_usable<R>(&self, launch: impl FnOnce() -> Result<R>) -> Result<R> {
-        let state = self.shared.lock();
-        usable(&state)?;
-        launch()
+    /// [`Error::CommunicatorUnusable`] once the communicator has been aborted.
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        usable(&self.shared.lock()).map(drop)
+    }
+
+    /// Hands the communicator to a graph ([`crate::Graph::capture_with`]): from now on it works
+    /// only inside that graph's capture, and an abort does not wait for the graph to go.
+    pub(crate) fn give_to_graph(&mut self) {
+        self.in_graph = true;
+        self.shared.lock().in_graph = true;
     }
 
     /// Identifies the communicator for graph capture (see [`crate::Graph::capture_with`]).
