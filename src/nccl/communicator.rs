@@ -94,6 +94,9 @@ pub(crate) struct State {
     pub(crate) regions: Option<Arc<[Arc<Region>]>>,
     /// Owned by a graph: see [`State::break_with`].
     pub(crate) in_graph: bool,
+    /// The thread aborting a graph's communicator, joined when the communicator is dropped
+    /// (after its graph): no NCCL call outlives the communicator's owner.
+    abort_thread: Option<std::thread::JoinHandle<()>>,
 }
 
 pub(crate) struct Pending {
@@ -153,9 +156,12 @@ impl State {
             // inside its launch, or the watchdog holding this lock): abort on a thread of its
             // own, which ends once the graph is dropped. Replays launched meanwhile stop at
             // once; NCCL's resources outlive them.
-            let _ = std::thread::Builder::new()
+            // (A thread that cannot be made leaves the communicator unaborted: its work stays
+            // queued, and the graph's drop does not wait for it.)
+            self.abort_thread = std::thread::Builder::new()
                 .name("handoff-graph-abort".into())
-                .spawn(move || abort(raw));
+                .spawn(move || abort(raw))
+                .ok();
         } else {
             abort(raw);
         }
@@ -261,6 +267,7 @@ impl Communicator {
                 timeout: options.timeout(),
                 regions: None,
                 in_graph: false,
+                abort_thread: None,
                 rank,
             }),
             rank,
@@ -863,6 +870,13 @@ impl Drop for Communicator {
             self.break_with(&Error::CommunicatorUnusable {
                 reason: "dropped while its work did not complete".into(),
             });
+        }
+        // A graph's communicator aborted on its own thread: that abort ends once the graph
+        // (dropped before its communicator) is gone; wait for it, so that no NCCL call on the
+        // communicator is left running behind its owner (at process exit, say).
+        let aborting = self.shared.lock().abort_thread.take();
+        if let Some(t) = aborting {
+            let _ = t.join();
         }
     }
 }
