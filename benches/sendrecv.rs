@@ -480,6 +480,8 @@ fn call_costs(s: &Setup) -> handoff::Result<()> {
     let wait = time(&mut || unsafe { handoff::result::stream_wait_event(raw_s, ev) })?;
     s.recv_s.synchronize()?;
     let get_device = time(&mut || handoff::result::get_device().map(|_| ()))?;
+    // SAFETY: the stream is live. (What every eager tracked operation asks of each stream.)
+    let is_capturing = time(&mut || unsafe { handoff::result::stream_is_capturing(raw_s) }.map(drop))?;
     let pair = time(&mut || {
         let v: Vec<u64> = Vec::with_capacity(4);
         std::hint::black_box(v);
@@ -489,7 +491,8 @@ fn call_costs(s: &Setup) -> handoff::Result<()> {
     unsafe { handoff::result::event_destroy(ev) }?;
     println!(
         "# host cost per call: cudaEventRecord {record:.0} ns, cudaStreamWaitEvent {wait:.0} ns, \
-         cudaGetDevice {get_device:.0} ns, a small heap allocation {pair:.0} ns"
+         cudaGetDevice {get_device:.0} ns, cudaStreamIsCapturing {is_capturing:.0} ns, a small heap \
+         allocation {pair:.0} ns"
     );
     Ok(())
 }
