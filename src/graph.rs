@@ -22,8 +22,10 @@
 //! - **NCCL: one communicator per graph.** [`Graph::capture_with`] takes a communicator by value
 //!   and owns it until the graph is dropped; only its operations can be captured, and from then
 //!   on it runs nothing but this graph's replays, on the stream it was captured on. Its
-//!   operations are verified across ranks once, at capture, like any group. Every rank's graph
-//!   over that communicator therefore holds the same operations in the same order, so whatever
+//!   operations are verified across ranks once, at capture, like any group (verification also
+//!   compares whether each operation is captured: NCCL requires that of both sides or
+//!   neither). Every rank's graph over that communicator therefore holds the same operations
+//!   in the same order, so whatever
 //!   the ranks replay, each NCCL operation can only meet its verified counterpart: replays of
 //!   one graph cannot be matched against another graph's or eager work. A rank that replays
 //!   more often than its peers waits for a counterpart that never comes; the communicator's

@@ -53,6 +53,11 @@ fn main() {
             another_thread,
         ),
         g.trial(
+            "an_operation_captured_on_one_rank_only_is_a_mismatch_on_both",
+            2,
+            captured_on_one_rank_only,
+        ),
+        g.trial(
             "a_rank_replaying_alone_is_stopped_within_the_timeout",
             2,
             replaying_alone,
@@ -288,6 +293,34 @@ fn another_thread() -> Result<(), Failed> {
     graph.launch(&s)?;
     assert_all_eq("x", &x.to_vec(&s)?, |i| produced_value(i, 1))?;
     assert_all_eq("z (B's launch never ran)", &z.to_vec(&s)?, |_| 0.0)
+}
+
+/// NCCL requires an operation to be captured on both ranks of a transfer or on neither: rank 0
+/// captures its send while rank 1 receives eagerly, and verification refuses both, before NCCL.
+fn captured_on_one_rank_only() -> Result<(), Failed> {
+    let results = common::two_threads([CommOptions::default(); 2], move |made| {
+        let comm = made.map_err(|e| e.to_string())?;
+        let rank = comm.rank();
+        let run = || -> handoff::Result<()> {
+            let s = Stream::new(comm.device())?;
+            let mut a = DeviceBuffer::<f32>::zeros(&s, 256)?;
+            if rank == 0 {
+                Graph::capture_with(&s, comm, |s, comm| comm.send(&a, 1, s)).map(drop)
+            } else {
+                comm.recv(&mut a, 0, &s)
+            }
+        };
+        match run() {
+            Err(Error::Mismatch { detail }) => Ok(detail),
+            other => Err(format!("rank {rank} gave {other:?}")),
+        }
+    })?;
+    let [m0, m1] = common::both_ok(results)?;
+    println!("rank 0: {m0}\nrank 1: {m1}");
+    if !(m0.contains("captured into a graph") && m1.contains("captured into a graph")) {
+        return Err("the mismatch does not say which side was captured".into());
+    }
+    Ok(())
 }
 
 /// Rank 0 replays its send graph 20 times while rank 1 never replays its receive graph: rank 0

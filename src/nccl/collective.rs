@@ -155,6 +155,7 @@ impl<'a> Group<'a> {
                 dtype: T::DATATYPE.0,
                 redop: op.map_or(NONE, ReduceOp::code),
                 root: root.map_or(NONE, |r| r as u32),
+                captured: comm.in_graph,
             },
             dtype: T::DATATYPE,
             send: send.map(|s| (s.tracked(), s.as_raw_ptr().cast())),

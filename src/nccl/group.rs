@@ -105,6 +105,7 @@ impl Op<'_> {
         OpDesc {
             count: self.count as u64,
             dtype: self.dtype.0,
+            captured: self.comm.in_graph,
         }
     }
 }

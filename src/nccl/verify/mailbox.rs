@@ -338,7 +338,11 @@ mod tests {
     use super::*;
 
     fn op(count: u64) -> OpDesc {
-        OpDesc { count, dtype: 7 }
+        OpDesc {
+            count,
+            dtype: 7,
+            captured: false,
+        }
     }
 
     #[test]
@@ -379,6 +383,7 @@ mod tests {
             dtype: 7,
             redop: NONE,
             root: NONE,
+            captured: false,
         };
         assert_eq!(r.read_coll(0), None);
         r.publish_coll(0, d);

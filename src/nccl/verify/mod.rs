@@ -341,7 +341,11 @@ mod tests {
     const F32: u32 = 7;
 
     fn op(count: u64) -> OpDesc {
-        OpDesc { count, dtype: F32 }
+        OpDesc {
+            count,
+            dtype: F32,
+            captured: false,
+        }
     }
 
     /// The mailboxes of `world` ranks in one process.
@@ -372,6 +376,7 @@ mod tests {
             dtype: F32,
             redop: 0,
             root: NONE,
+            captured: false,
         };
         let bcast = CollDesc {
             kind: CollKind::Broadcast,
@@ -379,6 +384,7 @@ mod tests {
             dtype: F32,
             redop: NONE,
             root: 2,
+            captured: false,
         };
         // Mailboxes are not Sync (their counters are per communicator, used by its one
         // thread): each rank's moves to its thread, and the three agree.
@@ -430,6 +436,7 @@ mod tests {
                 dtype: F32,
                 redop: NONE,
                 root: NONE,
+                captured: false,
             })
             .collect();
         let [a, b] = two();
@@ -453,6 +460,7 @@ mod tests {
             dtype: F32,
             redop: 0,
             root: NONE,
+            captured: false,
         };
         let w = world(2);
         let mut c = coll(&w[0], &[d]);

@@ -12,24 +12,38 @@ pub(crate) struct OpDesc {
     pub(crate) count: u64,
     /// `ncclDataType_t` code.
     pub(crate) dtype: u32,
+    /// Captured into a graph: NCCL requires an operation to be captured on every rank of the
+    /// transfer or on none.
+    pub(crate) captured: bool,
 }
 
 impl OpDesc {
     /// The two words of a ring entry after its tag.
     pub(crate) fn encode(self) -> [u64; 2] {
-        [self.count, u64::from(self.dtype)]
+        [self.count, u64::from(self.dtype) | u64::from(self.captured) << 32]
     }
 
     pub(crate) fn decode(w: [u64; 2]) -> OpDesc {
         OpDesc {
             count: w[0],
             dtype: w[1] as u32,
+            captured: (w[1] >> 32) & 1 == 1,
         }
     }
 
     fn describe(self) -> String {
-        format!("{} elements of {}", self.count, datatype_name(self.dtype))
+        format!(
+            "{} elements of {}{}",
+            self.count,
+            datatype_name(self.dtype),
+            captured_note(self.captured)
+        )
     }
+}
+
+/// What a description adds for an operation captured into a graph.
+fn captured_note(captured: bool) -> &'static str {
+    if captured { ", captured into a graph" } else { "" }
 }
 
 /// Which side of a transfer an operation is.
@@ -134,6 +148,8 @@ pub(crate) struct CollDesc {
     pub(crate) redop: u32,
     /// The root rank, or [`NONE`].
     pub(crate) root: u32,
+    /// Captured into a graph: NCCL requires a collective to be captured on every rank or none.
+    pub(crate) captured: bool,
 }
 
 impl CollDesc {
@@ -141,7 +157,10 @@ impl CollDesc {
     pub(crate) fn encode(self) -> [u64; 3] {
         [
             self.count,
-            (self.kind as u64) | (u64::from(self.dtype) << 8) | (u64::from(self.redop) << 32),
+            (self.kind as u64)
+                | u64::from(self.captured) << 7
+                | (u64::from(self.dtype) << 8)
+                | (u64::from(self.redop) << 32),
             u64::from(self.root),
         ]
     }
@@ -149,7 +168,8 @@ impl CollDesc {
     /// `None` for words no handoff wrote.
     pub(crate) fn decode(w: [u64; 3]) -> Option<CollDesc> {
         Some(CollDesc {
-            kind: CollKind::from_code(w[1] & 0xff)?,
+            kind: CollKind::from_code(w[1] & 0x7f)?,
+            captured: (w[1] >> 7) & 1 == 1,
             count: w[0],
             dtype: ((w[1] >> 8) & 0xff_ffff) as u32,
             redop: (w[1] >> 32) as u32,
@@ -170,7 +190,7 @@ impl CollDesc {
         if self.root != NONE {
             s += &format!(", root {}", self.root);
         }
-        s
+        s + captured_note(self.captured)
     }
 }
 
@@ -317,13 +337,33 @@ mod tests {
     const I32: u32 = 2;
 
     fn op(count: u64, dtype: u32) -> OpDesc {
-        OpDesc { count, dtype }
+        OpDesc {
+            count,
+            dtype,
+            captured: false,
+        }
     }
 
     #[test]
     fn ops_round_trip() {
         let o = op(4_194_304, F32);
         assert_eq!(OpDesc::decode(o.encode()), o);
+        let c = OpDesc { captured: true, ..o };
+        assert_eq!(OpDesc::decode(c.encode()), c);
+    }
+
+    #[test]
+    fn an_op_captured_on_one_rank_only_is_a_mismatch() {
+        let c = OpDesc {
+            captured: true,
+            ..op(4, F32)
+        };
+        let e = compare(0, 1, Dir::Send, 0, c, op(4, F32)).unwrap_err();
+        assert!(
+            e.contains("is 4 elements of f32, captured into a graph, but")
+                && e.ends_with("is 4 elements of f32"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -362,6 +402,7 @@ mod tests {
             dtype: F32,
             redop: 2,
             root: 1,
+            captured: false,
         };
         assert_eq!(CollDesc::decode(d.encode()), Some(d));
         assert_eq!(CollDesc::decode([0, 0, 0]), None);
@@ -370,12 +411,14 @@ mod tests {
             CollDesc {
                 kind: CollKind::AllReduce,
                 root: NONE,
+                captured: false,
                 ..d
             },
             CollDesc { count: 1000, ..d },
             CollDesc { dtype: I32, ..d },
             CollDesc { redop: 0, ..d },
             CollDesc { root: 0, ..d },
+            CollDesc { captured: true, ..d },
         ];
         for o in others {
             let e = compare_coll(0, 1, 4, d, Some(o)).unwrap_err();
