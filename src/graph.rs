@@ -333,23 +333,22 @@ impl Graph {
         )
     }
 
-    /// With [`MAX_REPLAYS_IN_FLIGHT`] replays noted, forgets them if the newest has completed
-    /// (replays of the graph run in order on its one stream), or else waits for the oldest
-    /// (bounded by the communicator's timeout, which aborts it). At most two event queries per
-    /// that many launches: a query per launch cost more host time than the launch's tracking.
+    /// Forgets replays seen complete; with [`MAX_REPLAYS_IN_FLIGHT`] still queued, waits for
+    /// the oldest (bounded by the communicator's timeout, which aborts it).
     fn bound_in_flight(&self, comm: &Communicator) -> Result<()> {
         let mut in_flight = self.in_flight.borrow_mut();
-        if in_flight.len() < MAX_REPLAYS_IN_FLIGHT {
-            return Ok(());
+        while let Some(oldest) = in_flight.front() {
+            // SAFETY: the event is kept alive by the Arc.
+            if !unsafe { cu::event_query(oldest.raw) }? {
+                break;
+            }
+            in_flight.pop_front();
         }
-        let newest = in_flight.back().expect("full");
-        // SAFETY: the event is kept alive by the Arc.
-        if unsafe { cu::event_query(newest.raw) }? {
-            in_flight.clear();
-            return Ok(());
+        if in_flight.len() >= MAX_REPLAYS_IN_FLIGHT {
+            let oldest = in_flight.pop_front().expect("full");
+            comm.wait_for(&[oldest], "an earlier replay of its graph")?;
         }
-        let oldest = in_flight.pop_front().expect("full");
-        comm.wait_for(&[oldest], "an earlier replay of its graph")
+        Ok(())
     }
 
     /// The graph's communicator, for graphs made with [`Graph::capture_with`]: to wait for its
