@@ -61,13 +61,6 @@ fn main() {
     ]);
 }
 
-fn setup() -> Result<(Device, Stream, Stream), Failed> {
-    let dev = Device::new(0)?;
-    let s1 = Stream::new(&dev)?;
-    let s2 = Stream::new(&dev)?;
-    Ok((dev, s1, s2))
-}
-
 fn produced(stream: &Stream, n: usize, round: u32) -> Result<DeviceBuffer<f32>, Failed> {
     let mut x = DeviceBuffer::zeros(stream, n)?;
     kernels::produce(stream, &mut x, round)?;
@@ -75,7 +68,7 @@ fn produced(stream: &Stream, n: usize, round: u32) -> Result<DeviceBuffer<f32>, 
 }
 
 fn a_then_b_on_one_stream() -> Result<(), Failed> {
-    let (dev, s, _) = setup()?;
+    let (dev, s, _) = common::gpu0_two_streams()?;
     println!("device 0: {}", dev.name()?);
     // The article's values first.
     let x = produced(&s, 4, 0)?;
@@ -107,7 +100,7 @@ fn a_then_b_on_one_stream() -> Result<(), Failed> {
 
 /// (a) A long read on stream 1, then a write on stream 2: the reader must see the old values.
 fn hazard_write_after_long_read() -> Result<(), Failed> {
-    let (_dev, s1, s2) = setup()?;
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1 << 16;
     let mut x = produced(&s1, n, 0)?;
     let mut out = DeviceBuffer::zeros(&s1, n)?;
@@ -120,7 +113,7 @@ fn hazard_write_after_long_read() -> Result<(), Failed> {
 /// (b) A buffer dropped while a long kernel reads it, then new allocations filled with other
 /// values: the kernel's output must be unaffected.
 fn hazard_drop_while_read() -> Result<(), Failed> {
-    let (_dev, s1, s2) = setup()?;
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1 << 16;
     let x = produced(&s1, n, 0)?;
     s1.synchronize()?;
@@ -151,7 +144,7 @@ fn hazard_drop_while_read() -> Result<(), Failed> {
 
 /// (c) A host copy right after an asynchronous write, on another stream, returns the new values.
 fn hazard_host_read_after_async_write() -> Result<(), Failed> {
-    let (_dev, s1, s2) = setup()?;
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1 << 16;
     let mut x = produced(&s1, n, 0)?;
     s1.synchronize()?;
@@ -163,7 +156,7 @@ fn hazard_host_read_after_async_write() -> Result<(), Failed> {
 /// Reads on two streams, then a write on a third: the write must wait for both reads (cudarc
 /// keeps only the latest read and would wait for the shorter one here).
 fn write_waits_for_reads_on_two_streams() -> Result<(), Failed> {
-    let (dev, s1, s2) = setup()?;
+    let (dev, s1, s2) = common::gpu0_two_streams()?;
     let s3 = Stream::new(&dev)?;
     let n = 1 << 16;
     let mut x = produced(&s1, n, 0)?;
@@ -179,7 +172,7 @@ fn write_waits_for_reads_on_two_streams() -> Result<(), Failed> {
 
 /// A late write on stream 1, then B on stream 2: B must read the new x.
 fn read_after_write_on_another_stream() -> Result<(), Failed> {
-    let (_dev, s1, s2) = setup()?;
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1 << 16;
     let mut x = produced(&s1, n, 0)?;
     s1.synchronize()?;
@@ -192,7 +185,7 @@ fn read_after_write_on_another_stream() -> Result<(), Failed> {
 
 /// Dropping a stream with queued work neither blocks nor loses the ordering it owes.
 fn stream_dropped_with_pending_work() -> Result<(), Failed> {
-    let (dev, s1, _) = setup()?;
+    let (dev, s1, _) = common::gpu0_two_streams()?;
     let n = 1 << 16;
     let mut x = produced(&s1, n, 0)?;
     {
@@ -209,7 +202,7 @@ fn stream_dropped_with_pending_work() -> Result<(), Failed> {
 }
 
 fn events_time_gpu_work() -> Result<(), Failed> {
-    let (dev, s, _) = setup()?;
+    let (dev, s, _) = common::gpu0_two_streams()?;
     // The first launch in a process loads the kernels (JIT from PTX): keep it out of the timing.
     kernels::busy(&s, Duration::ZERO)?;
     s.synchronize()?;
@@ -239,7 +232,7 @@ fn events_time_gpu_work() -> Result<(), Failed> {
 }
 
 fn zero_length_and_mismatched_lengths() -> Result<(), Failed> {
-    let (_dev, s, _) = setup()?;
+    let (_dev, s, _) = common::gpu0_two_streams()?;
     let mut empty = DeviceBuffer::<f32>::zeros(&s, 0)?;
     kernels::produce(&s, &mut empty, 1)?;
     if !empty.to_vec(&s)?.is_empty() || !empty.is_empty() {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::{Gpus, assert_all_eq};
 use handoff::kernels::{self, produced_value};
-use handoff::{CommOptions, Device, DeviceBuffer, Error, Event, Graph, HostBuffer, Stream, group};
+use handoff::{CommOptions, DeviceBuffer, Error, Event, Graph, HostBuffer, Stream, group};
 use libtest_mimic::Failed;
 
 /// Long enough that, without tracking, work queued after it on another stream runs while it
@@ -70,16 +70,10 @@ fn main() {
     ])
 }
 
-fn setup() -> Result<(Device, Stream, Stream), Failed> {
-    let dev = Device::new(0)?;
-    let (s1, s2) = (Stream::new(&dev)?, Stream::new(&dev)?);
-    Ok((dev, s1, s2))
-}
-
 /// Kernel A then kernel B, captured once; between replays x and y are overwritten eagerly, so
 /// every check sees what the replay itself computed.
 fn kernels_replayed() -> Result<(), Failed> {
-    let (_dev, s, _) = setup()?;
+    let (_dev, s, _) = common::gpu0_two_streams()?;
     let n = 1001;
     let mut x = DeviceBuffer::<f32>::zeros(&s, n)?;
     let mut y = DeviceBuffer::<f32>::zeros(&s, n)?;
@@ -136,7 +130,7 @@ fn article_loop_replayed() -> Result<(), Failed> {
 
 /// A replay writes y slowly (a long copy); the host reads y right after on another stream.
 fn hazard_host_read_after_replay() -> Result<(), Failed> {
-    let (_dev, s1, s2) = setup()?;
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1 << 16;
     let mut x = DeviceBuffer::<f32>::zeros(&s1, n)?;
     kernels::produce(&s1, &mut x, 5)?;
@@ -151,7 +145,7 @@ fn hazard_host_read_after_replay() -> Result<(), Failed> {
 
 /// A replay reads x slowly; x is rewritten on another stream right after the launch.
 fn hazard_replay_then_write() -> Result<(), Failed> {
-    let (_dev, s1, s2) = setup()?;
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1 << 16;
     let mut x = DeviceBuffer::<f32>::zeros(&s1, n)?;
     kernels::produce(&s1, &mut x, 0)?;
@@ -167,7 +161,7 @@ fn hazard_replay_then_write() -> Result<(), Failed> {
 /// Dropping a buffer the graph uses frees it after the replays queued so far; a later replay
 /// is refused before anything is queued, and the graph's other buffers are untouched.
 fn dropped_buffer() -> Result<(), Failed> {
-    let (_dev, s, _) = setup()?;
+    let (_dev, s, _) = common::gpu0_two_streams()?;
     let mut x = DeviceBuffer::<f32>::zeros(&s, 1000)?;
     let mut y = DeviceBuffer::<f32>::zeros(&s, 1000)?;
     let graph = Graph::capture(&s, |s| {
@@ -186,7 +180,7 @@ fn dropped_buffer() -> Result<(), Failed> {
 
 /// Someone else captures the stream (raw CUDA): handoff queues nothing on it, and says why.
 fn foreign_capture() -> Result<(), Failed> {
-    let (_dev, s, _) = setup()?;
+    let (_dev, s, _) = common::gpu0_two_streams()?;
     let mut x = DeviceBuffer::<f32>::zeros(&s, 16)?;
     s.synchronize()?;
     // SAFETY: a live stream, not being captured; the capture is ended below.
@@ -208,7 +202,7 @@ fn foreign_capture() -> Result<(), Failed> {
 /// Inside a capture: allocation, host copies, events, other communicators and the graph's own
 /// communicator on another stream are refused before any CUDA call, so the capture goes on.
 fn refusals() -> Result<(), Failed> {
-    let (dev, s, s2) = setup()?;
+    let (dev, s, s2) = common::gpu0_two_streams()?;
     let mut x = DeviceBuffer::<f32>::zeros(&s, 8)?;
     let mut host = HostBuffer::<f32>::zeros(&dev, 8)?;
     let event = Event::new(&dev)?;
@@ -273,7 +267,7 @@ fn refusals() -> Result<(), Failed> {
 /// While thread A captures on a stream, thread B's tracked work on it is refused: it neither
 /// runs nor slips into A's graph.
 fn another_thread() -> Result<(), Failed> {
-    let (_dev, s, _) = setup()?;
+    let (_dev, s, _) = common::gpu0_two_streams()?;
     let mut x = DeviceBuffer::<f32>::zeros(&s, 64)?;
     let mut z = DeviceBuffer::<f32>::zeros(&s, 64)?;
     let mut from_b = None;

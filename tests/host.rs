@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{Gpus, assert_all_eq};
 use handoff::kernels::{self, produced_value};
-use handoff::{Device, DeviceBuffer, Error, HostBuffer, Stream};
+use handoff::{DeviceBuffer, Error, HostBuffer, Stream};
 use libtest_mimic::Failed;
 
 /// Long enough that, without tracking, the host or another stream certainly acts while the
@@ -56,12 +56,6 @@ fn main() {
     ]);
 }
 
-fn setup() -> Result<(Device, Stream, Stream), Failed> {
-    let dev = Device::new(0)?;
-    let (s1, s2) = (Stream::new(&dev)?, Stream::new(&dev)?);
-    Ok((dev, s1, s2))
-}
-
 /// `x = produced_value(i, round)`, finished on the GPU before the timed part of a test.
 fn produced(s: &Stream, n: usize, round: u32) -> Result<DeviceBuffer<f32>, Failed> {
     let mut x = DeviceBuffer::<f32>::zeros(s, n)?;
@@ -74,7 +68,7 @@ fn produced(s: &Stream, n: usize, round: u32) -> Result<DeviceBuffer<f32>, Faile
 /// stream (so the stream alone orders the copy after the write), and the host reads at once.
 /// `read()` must wait for the copy: otherwise it sees the zeros the buffer started with.
 fn host_read_right_after_copy_in() -> Result<(), Failed> {
-    let (dev, s, _) = setup()?;
+    let (dev, s, _) = common::gpu0_two_streams()?;
     let x = produced(&s, N, 3)?;
     let mut y = DeviceBuffer::<f32>::zeros(&s, N)?;
     let mut host = HostBuffer::<f32>::zeros(&dev, N)?;
@@ -98,7 +92,7 @@ fn host_read_right_after_copy_in() -> Result<(), Failed> {
 /// A slow kernel writes y on stream 1; y is copied to pinned memory on stream 2 right after,
 /// and the host reads. The copy must wait for the write, and the read for the copy.
 fn copy_to_host_after_late_write() -> Result<(), Failed> {
-    let (dev, s1, s2) = setup()?;
+    let (dev, s1, s2) = common::gpu0_two_streams()?;
     let x = produced(&s1, N, 5)?;
     let mut y = DeviceBuffer::<f32>::zeros(&s1, N)?;
     let mut host = HostBuffer::<f32>::zeros(&dev, N)?;
@@ -112,7 +106,7 @@ fn copy_to_host_after_late_write() -> Result<(), Failed> {
 /// overwrites the pinned memory at once. `write()` must wait for the copy: the device gets the
 /// old values.
 fn host_write_right_after_copy_out() -> Result<(), Failed> {
-    let (dev, s, _) = setup()?;
+    let (dev, s, _) = common::gpu0_two_streams()?;
     let old: Vec<f32> = (0..N).map(|i| i as f32).collect();
     let mut host = HostBuffer::from_slice(&dev, &old)?;
     let mut d = DeviceBuffer::<f32>::zeros(&s, N)?;
@@ -130,7 +124,7 @@ fn host_write_right_after_copy_out() -> Result<(), Failed> {
 /// the same pinned memory is queued on stream 2. The copy in must wait for the copy out (write
 /// after read, across streams): d1 gets the old values, the host the new ones.
 fn copy_in_while_copied_out_on_another_stream() -> Result<(), Failed> {
-    let (dev, s1, s2) = setup()?;
+    let (dev, s1, s2) = common::gpu0_two_streams()?;
     let d2 = produced(&s2, N, 9)?;
     let mut host = HostBuffer::from_slice(&dev, &(0..N).map(|i| -(i as f32)).collect::<Vec<_>>())?;
     let mut d1 = DeviceBuffer::<f32>::zeros(&s1, N)?;
@@ -148,7 +142,7 @@ fn copy_in_while_copied_out_on_another_stream() -> Result<(), Failed> {
 /// drop frees at once; the test then fails unless `cudaFreeHost` itself waits for the device
 /// (it is often reported to, as `cudaFree` does; the bypassed run says which).
 fn drop_right_after_queued_copies() -> Result<(), Failed> {
-    let (dev, s, _) = setup()?;
+    let (dev, s, _) = common::gpu0_two_streams()?;
     // Out of a host buffer, then drop it.
     let host = HostBuffer::from_slice(&dev, &(0..N).map(|i| 2.0 * i as f32).collect::<Vec<_>>())?;
     let mut d = DeviceBuffer::<f32>::zeros(&s, N)?;
@@ -187,7 +181,7 @@ fn drop_right_after_queued_copies() -> Result<(), Failed> {
 
 /// Exact values through views in both directions, and through a second pinned buffer.
 fn round_trips() -> Result<(), Failed> {
-    let (dev, s1, s2) = setup()?;
+    let (dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1000;
     let src = HostBuffer::from_slice(&dev, &(0..n).map(|i| i as u32 * 7).collect::<Vec<_>>())?;
     let mut d = DeviceBuffer::<u32>::zeros(&s1, 3 * n)?;
@@ -214,7 +208,7 @@ fn round_trips() -> Result<(), Failed> {
 }
 
 fn zero_length_and_mismatched_lengths() -> Result<(), Failed> {
-    let (dev, s, _) = setup()?;
+    let (dev, s, _) = common::gpu0_two_streams()?;
     let mut h0 = HostBuffer::<f32>::zeros(&dev, 0)?;
     let mut d0 = DeviceBuffer::<f32>::zeros(&s, 0)?;
     d0.copy_to_host(&mut h0, &s)?;

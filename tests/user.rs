@@ -107,14 +107,8 @@ fn slow_copy<'a>(
     }
 }
 
-fn setup() -> Result<(Device, Stream, Stream), Failed> {
-    let dev = Device::new(0)?;
-    let (s1, s2) = (Stream::new(&dev)?, Stream::new(&dev)?);
-    Ok((dev, s1, s2))
-}
-
 fn user_kernel_values() -> Result<(), Failed> {
-    let (_dev, s, _) = setup()?;
+    let (_dev, s, _) = common::gpu0_two_streams()?;
     let u = user()?;
     let mut x = DeviceBuffer::<f32>::zeros(&s, 1000)?;
     iota(&u, &s, &mut x, 1.0)?;
@@ -134,7 +128,7 @@ fn user_kernel_values() -> Result<(), Failed> {
 /// A user kernel reads x for a long time on stream 1; a user kernel then rewrites x on stream 2.
 /// The reader must see the old values.
 fn long_read_then_write() -> Result<(), Failed> {
-    let (_dev, s1, s2) = setup()?;
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let u = user()?;
     let mut x = DeviceBuffer::<f32>::zeros(&s1, N)?;
     iota(&u, &s1, &mut x, 0.0)?;
@@ -148,7 +142,7 @@ fn long_read_then_write() -> Result<(), Failed> {
 /// A user kernel writes y late (after a long wait) on stream 1; the host reads y through stream
 /// 2 right after. The read must see the written values.
 fn late_write_then_host_read() -> Result<(), Failed> {
-    let (_dev, s1, s2) = setup()?;
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let u = user()?;
     let mut x = DeviceBuffer::<f32>::zeros(&s1, N)?;
     iota(&u, &s1, &mut x, 7.0)?;
@@ -161,7 +155,7 @@ fn late_write_then_host_read() -> Result<(), Failed> {
 /// A tracked long read of x on stream 1, then raw work (a runtime memset) declared as a write of
 /// x on stream 2: the raw write must wait for the read.
 fn raw_use_after_read() -> Result<(), Failed> {
-    let (_dev, s1, s2) = setup()?;
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let u = user()?;
     let mut x = DeviceBuffer::<f32>::zeros(&s1, N)?;
     iota(&u, &s1, &mut x, 3.0)?;
@@ -196,7 +190,7 @@ fn raw_use_after_read() -> Result<(), Failed> {
 }
 
 fn typed_errors() -> Result<(), Failed> {
-    let (_dev, s, _) = setup()?;
+    let (_dev, s, _) = common::gpu0_two_streams()?;
     // The driver compiles PTX lazily: a bad module is reported when it loads, when its kernel
     // is looked up, or at its first launch on a device, as Error::Module at whichever comes.
     let bad = (|| {
@@ -241,7 +235,7 @@ fn typed_errors() -> Result<(), Failed> {
 }
 
 fn fills() -> Result<(), Failed> {
-    let (_dev, s, _) = setup()?;
+    let (_dev, s, _) = common::gpu0_two_streams()?;
     let mut a = DeviceBuffer::<u8>::zeros(&s, 1001)?;
     a.fill(0xab, &s)?;
     assert_all_eq("u8", &a.to_vec(&s)?, |_| 0xab)?;
@@ -274,7 +268,7 @@ fn fills() -> Result<(), Failed> {
 /// The two halves of one buffer, written by two threads on two streams at once, each half by a
 /// long copy: both halves end right, and a host read of the whole buffer waits for both.
 fn split_halves_from_threads() -> Result<(), Failed> {
-    let (_dev, s1, s2) = setup()?;
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let u = user()?;
     let mut src = DeviceBuffer::<f32>::zeros(&s1, 2 * N)?;
     iota(&u, &s1, &mut src, 5.0)?;
@@ -298,7 +292,7 @@ fn split_halves_from_threads() -> Result<(), Failed> {
 /// a kernel reads its second half on stream 2 (tracking is per buffer, so they are ordered);
 /// both results exact.
 fn receive_into_a_view_while_another_is_read() -> Result<(), Failed> {
-    let (dev, s1, s2) = setup()?;
+    let (dev, s1, s2) = common::gpu0_two_streams()?;
     let u = user()?;
     let comm = Communicator::init_all(std::slice::from_ref(&dev))?
         .pop()

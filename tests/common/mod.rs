@@ -134,6 +134,14 @@ pub fn spawn_ranks(role: &str, piped_stdout: bool) -> Result<Vec<std::process::C
     })?)
 }
 
+/// GPU 0 and two streams on it: the hazard tests' setting (an operation on one stream, the
+/// conflicting one on the other).
+pub fn gpu0_two_streams() -> Result<(handoff::Device, handoff::Stream, handoff::Stream), Failed> {
+    let dev = handoff::Device::new(0)?;
+    let (s1, s2) = (handoff::Stream::new(&dev)?, handoff::Stream::new(&dev)?);
+    Ok((dev, s1, s2))
+}
+
 /// A one-rank communicator on GPU 0.
 pub fn one_rank(options: handoff::CommOptions) -> Result<(handoff::Device, handoff::Communicator), Failed> {
     let dev = handoff::Device::new(0)?;
