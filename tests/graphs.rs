@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::{Gpus, assert_all_eq};
 use handoff::kernels::{self, produced_value};
-use handoff::{CommOptions, DeviceBuffer, Error, Event, Graph, HostBuffer, Stream, group};
+use handoff::{CommOptions, Communicator, DeviceBuffer, Error, Event, Graph, HostBuffer, Stream, group};
 use libtest_mimic::Failed;
 
 /// Long enough that, without tracking, work queued after it on another stream runs while it
@@ -317,6 +317,15 @@ fn captured_on_one_rank_only() -> Result<(), Failed> {
     Ok(())
 }
 
+/// The two-rank trials' transfer: rank 0 sends `buf` to rank 1, which receives it.
+fn one_way(comm: &Communicator, buf: &mut DeviceBuffer<f32>, s: &Stream) -> handoff::Result<()> {
+    if comm.rank() == 0 {
+        comm.send(&*buf, 1, s)
+    } else {
+        comm.recv(buf, 0, s)
+    }
+}
+
 /// Rank 0 replays its send graph 20 times while rank 1 never replays its receive graph: rank 0
 /// is stopped (its watchdog, or the wait for its oldest replay) within a few timeouts, never
 /// blocked for good inside a launch.
@@ -328,18 +337,8 @@ fn replaying_alone() -> Result<(), Failed> {
         let run = || -> handoff::Result<String> {
             let s = Stream::new(comm.device())?;
             let mut a = DeviceBuffer::<f32>::zeros(&s, 1024)?;
-            if rank == 0 {
-                comm.send(&a, 1, &s)?;
-            } else {
-                comm.recv(&mut a, 0, &s)?;
-            }
-            let graph = Graph::capture_with(&s, comm, |s, comm| {
-                if rank == 0 {
-                    comm.send(&a, 1, s)
-                } else {
-                    comm.recv(&mut a, 0, s)
-                }
-            })?;
+            one_way(&comm, &mut a, &s)?;
+            let graph = Graph::capture_with(&s, comm, |s, comm| one_way(comm, &mut a, s))?;
             if rank == 1 {
                 return Ok("rank 1 captured and never replayed".into());
             }
@@ -394,23 +393,15 @@ fn replays_in_different_orders() -> Result<(), Failed> {
             }
             // NCCL connects peers on their first transfer, which it cannot do in a capture.
             for (comm, buf) in [(&comm_a, &mut a), (&comm_b, &mut b)] {
-                if rank == 0 {
-                    comm.send(&*buf, 1, &s)?;
-                } else {
-                    comm.recv(&mut *buf, 0, &s)?;
+                one_way(comm, buf, &s)?;
+                if rank == 1 {
                     // Received again only by replays: the check below sees theirs.
                     buf.memset_zero(&s)?;
                 }
             }
             let mut graphs = Vec::new();
             for (comm, buf) in [(comm_a, &mut a), (comm_b, &mut b)] {
-                graphs.push(Graph::capture_with(&s, comm, |s, comm| {
-                    if rank == 0 {
-                        comm.send(&*buf, 1, s)
-                    } else {
-                        comm.recv(&mut *buf, 0, s)
-                    }
-                })?);
+                graphs.push(Graph::capture_with(&s, comm, |s, comm| one_way(comm, buf, s))?);
             }
             let order: [usize; 2] = if rank == 0 { [0, 1] } else { [1, 0] };
             let t = Instant::now();
