@@ -19,6 +19,11 @@
 //!    semantics) and the stream orders held here keep any other use of those streams wholly
 //!    before or after. If recording fails, the host waits for the stream instead, so no queued
 //!    use is left untracked; every record stream is handled even after an error.
+//!
+//! On a stream handoff is capturing into a graph ([`crate::Graph`]), steps 3 and 5 give way to
+//! the capture branch: [`CaptureState::admit`] decides whether the work may enter, and its
+//! buffers are noted for the graph's replays instead of waited for and recorded. On a stream
+//! someone else captures, nothing is queued ([`Error::Capture`]).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -99,29 +104,62 @@ pub(crate) struct CaptureState {
     pub(crate) comm: Option<usize>,
     /// The thread running the capture's closure, the only one whose work it takes: another
     /// thread's work on the stream is refused, not silently moved into the graph (that thread
-    /// checked for a capture before it began, and would believe its work had run).
+    /// checked for a capture before it began, and would believe its work had run). `None` only
+    /// in a state no capture made (the default), which admits nothing.
     pub(crate) thread: Option<std::thread::ThreadId>,
 }
 
 impl CaptureState {
-    /// [`Error::Capture`] unless the calling thread is the one capturing.
-    pub(crate) fn check_thread(&self) -> Result<()> {
+    /// Whether `work` (using pinned host memory if `host`), queued by the calling thread, may
+    /// enter this capture: the one rule, applied by the engine under the stream's lock, and by
+    /// a group before it is verified (so that a refusal leaves its communicators usable).
+    ///
+    /// # Errors
+    /// [`Error::Capture`], saying what to do instead.
+    pub(crate) fn admit(&self, host: bool, work: Work<'_>) -> Result<()> {
         if self.thread != Some(std::thread::current().id()) {
-            return Err(Error::Capture {
-                detail: "the stream is being captured into a graph by another thread: queue \
-                         this work on another stream, or after the capture"
-                    .into(),
-            });
+            return Err(capture_error(
+                "the stream is being captured into a graph by another thread: queue this work \
+                 on another stream, or after the capture",
+            ));
         }
-        Ok(())
+        if host {
+            return Err(capture_error(
+                "a pinned host buffer cannot be used in a graph (the host reads and writes it \
+                 outside stream order): copy to or from it outside the capture, after a replay",
+            ));
+        }
+        match work {
+            Work::Uncapturable { what } => Err(not_capturable(what)),
+            Work::Nccl { comms } if comms.iter().any(|c| self.comm != Some(*c)) => {
+                Err(capture_error(NOT_THE_GRAPHS))
+            }
+            Work::Nccl { .. } | Work::Cuda { .. } => Ok(()),
+        }
+    }
+}
+
+/// Why an NCCL operation of another communicator is refused in a capture.
+pub(crate) const NOT_THE_GRAPHS: &str = "an NCCL operation in a graph must use the communicator \
+    given to Graph::capture_with (make one for the graph, e.g. with Communicator::split, and \
+    send and receive with each peer on it once before capturing)";
+
+/// Why an operation spanning streams is refused in a capture.
+pub(crate) const SPANNING: &str = "an operation captured into a graph may use only the stream \
+    being captured: queue the other streams' work outside the capture";
+
+/// [`Error::Capture`] with `detail`.
+pub(crate) fn capture_error(detail: &str) -> Error {
+    Error::Capture {
+        detail: detail.into(),
     }
 }
 
 /// The refusal of `what`, which a graph cannot hold.
 pub(crate) fn not_capturable(what: &str) -> Error {
-    Error::Capture {
-        detail: format!("{what} cannot be captured into a graph: do it outside the capture"),
-    }
+    capture_error(&format!(
+        "{what} cannot be captured into a graph: do it outside the capture"
+    ))
 }
 
 /// Something a captured graph's nodes refer to, kept alive as long as the graph.
@@ -233,11 +271,7 @@ pub(crate) fn enqueue<R>(
     }
     let capturing = held.iter().any(|h| h.as_ref().is_some_and(|h| h.is_some()));
     if capturing && streams.len() > 1 {
-        return Err(Error::Capture {
-            detail: "an operation captured into a graph may use only the stream being captured \
-                     (queue the other streams' work outside the capture)"
-                .into(),
-        });
+        return Err(capture_error(SPANNING));
     }
     if !capturing {
         for s in &streams {
@@ -332,32 +366,9 @@ fn capture<R>(
     state: &mut CaptureState,
     submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
 ) -> Result<R> {
-    let refuse = |detail: &str| {
-        Err(Error::Capture {
-            detail: detail.into(),
-        })
-    };
-    state.check_thread()?;
-    if let Work::Uncapturable { what } = work {
-        return Err(not_capturable(what));
-    }
-    if uses.iter().any(|u| u.tracked.host) {
-        return refuse(
-            "a pinned host buffer cannot be used in a graph (the host reads and writes it outside \
-             stream order): copy to or from it outside the capture, after a replay",
-        );
-    }
-    match work {
-        Work::Nccl { comms } => {
-            if comms.iter().any(|c| state.comm != Some(*c)) {
-                return refuse(
-                    "an NCCL operation in a graph must use the communicator given to \
-                     Graph::capture_with (make one for the graph, e.g. with Communicator::split)",
-                );
-            }
-        }
-        Work::Cuda { keep } => state.keep.extend(keep.cloned()),
-        Work::Uncapturable { .. } => unreachable!("refused above"),
+    state.admit(uses.iter().any(|u| u.tracked.host), work)?;
+    if let Work::Cuda { keep } = work {
+        state.keep.extend(keep.cloned());
     }
     for u in uses {
         state.uses.note(u.tracked.clone(), u.access, Tracked::same);
@@ -367,4 +378,64 @@ fn capture<R>(
         current.set(u.stream.device())?;
     }
     submit(&mut current)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn capture(comm: Option<usize>) -> CaptureState {
+        CaptureState {
+            comm,
+            thread: Some(std::thread::current().id()),
+            ..CaptureState::default()
+        }
+    }
+
+    fn refused(r: Result<()>) -> String {
+        match r {
+            Err(Error::Capture { detail }) => detail,
+            other => panic!("admitted, or another error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_capture_admits_its_threads_cuda_work_and_its_communicators_nccl() {
+        let c = capture(Some(7));
+        assert!(c.admit(false, Work::Cuda { keep: None }).is_ok());
+        assert!(c.admit(false, Work::Nccl { comms: &[7] }).is_ok());
+    }
+
+    #[test]
+    fn a_capture_refuses_what_a_graph_cannot_hold() {
+        let c = capture(Some(7));
+        let d = refused(c.admit(false, Work::Nccl { comms: &[8] }));
+        assert!(d.contains("Graph::capture_with"), "{d}");
+        assert!(refused(c.admit(false, Work::Nccl { comms: &[7, 8] })).contains("capture_with"));
+        let d = refused(c.admit(true, Work::Cuda { keep: None }));
+        assert!(d.contains("pinned host buffer"), "{d}");
+        let d = refused(c.admit(
+            false,
+            Work::Uncapturable {
+                what: "allocating a buffer",
+            },
+        ));
+        assert!(d.starts_with("allocating a buffer cannot be captured"), "{d}");
+        // Without a communicator, no NCCL at all.
+        assert!(refused(capture(None).admit(false, Work::Nccl { comms: &[7] })).contains("capture_with"));
+        // A state no capture made admits nothing.
+        let d = refused(CaptureState::default().admit(false, Work::Cuda { keep: None }));
+        assert!(d.contains("another thread"), "{d}");
+    }
+
+    #[test]
+    fn a_capture_refuses_another_threads_work() {
+        let c = capture(Some(7));
+        std::thread::scope(|t| {
+            t.spawn(|| {
+                let d = refused(c.admit(false, Work::Cuda { keep: None }));
+                assert!(d.contains("another thread"), "{d}");
+            });
+        });
+    }
 }

@@ -40,8 +40,10 @@
 //!   [`Communicator::split`] (or a fresh [`Communicator::new`]).
 //! - **Threads.** While a capture is under way, only the thread running its closure can queue
 //!   work on the stream; another thread's tracked work there is refused, not moved into the
-//!   graph behind its back. Every refusal is decided under the stream's order lock, which the
-//!   capture holds to begin and to end, so no operation sees a capture that CUDA does not.
+//!   graph behind its back. The engine decides each refusal under the stream's order lock,
+//!   which the capture holds to begin and to end, so no operation sees a capture that CUDA does
+//!   not (a group also asks the same rule before it is verified, so that a refusal leaves its
+//!   communicators usable).
 //!
 //! # NCCL's own conditions
 //! NCCL connects peers lazily, on the first send or receive between them, and cannot do so
@@ -92,7 +94,9 @@ use crate::tracking::{Access, StreamId};
 /// See the [module documentation](self) for what keeps replays safe. `Send`, not `Sync` (a
 /// graph with NCCL operations owns its communicator, which is not `Sync`).
 pub struct Graph {
-    exec: Arc<Exec>,
+    /// The only holder of the executable graph: dropped first (fields drop in order), before
+    /// the communicator, whose drop waits for an abort that waits for this graph to be gone.
+    exec: Exec,
     device: Device,
     /// The stream it was captured on: the only one a graph with NCCL operations replays on.
     captured_on: StreamId,
@@ -118,8 +122,6 @@ struct Exec(cudaGraphExec_t);
 
 // SAFETY: an executable graph handle may be launched and destroyed from any thread.
 unsafe impl Send for Exec {}
-// SAFETY: as above; `&Exec` only launches.
-unsafe impl Sync for Exec {}
 
 impl Drop for Exec {
     fn drop(&mut self) {
@@ -226,12 +228,14 @@ impl Graph {
             let mut state = stream.order().hold();
             if state.is_some() {
                 return Err(Error::Capture {
-                    detail: "the stream is already being captured into a graph".into(),
+                    detail: "the stream is already being captured into a graph: end that \
+                             capture first, or capture on another stream"
+                        .into(),
                 });
             }
             stream.check_not_captured_elsewhere()?;
             if let Some(c) = comm.as_mut() {
-                c.give_to_graph();
+                c.give_to_graph()?;
             }
             // SAFETY: the stream is live, and not being captured (checked above, under the
             // stream's order, which every tracked operation on it takes).
@@ -260,7 +264,7 @@ impl Graph {
         // The executable graph is independent of the template: destroy it now.
         // SAFETY: live, owned here, not used again.
         let _ = unsafe { cu::graph_destroy(graph) };
-        let exec = Arc::new(Exec(exec?));
+        let exec = Exec(exec?);
         // A graph without NCCL operations does not need the communicator; keep it anyway: it
         // was given to the graph, and its verification order has moved on with the capture.
         Ok(Graph {
@@ -334,7 +338,9 @@ impl Graph {
     }
 
     /// Forgets replays seen complete; with [`MAX_REPLAYS_IN_FLIGHT`] still queued, waits for
-    /// the oldest (bounded by the communicator's timeout, which aborts it).
+    /// the oldest. The wait has no deadline of its own: the communicator's watchdog counts one
+    /// for that replay from when it could start, as for any NCCL work, and past it aborts the
+    /// communicator, which ends the replay (and this wait, with the abort's error).
     fn bound_in_flight(&self, comm: &Communicator) -> Result<()> {
         let mut in_flight = self.in_flight.borrow_mut();
         while let Some(oldest) = in_flight.front() {
@@ -344,9 +350,14 @@ impl Graph {
             }
             in_flight.pop_front();
         }
-        if in_flight.len() >= MAX_REPLAYS_IN_FLIGHT {
-            let oldest = in_flight.pop_front().expect("full");
-            comm.wait_for(&[oldest], "an earlier replay of its graph")?;
+        if in_flight.len() < MAX_REPLAYS_IN_FLIGHT {
+            return Ok(());
+        }
+        let oldest = in_flight.pop_front().expect("full");
+        // SAFETY: as above.
+        while !unsafe { cu::event_query(oldest.raw) }? {
+            comm.check_usable()?;
+            std::thread::sleep(std::time::Duration::from_micros(50));
         }
         Ok(())
     }

@@ -75,6 +75,11 @@ impl Stream {
     /// A handoff stream over `stream`'s handle: the same queue, kept alive as long as the
     /// returned `Stream`. Work queued on either is in one order.
     ///
+    /// Capture through [`crate::Graph`], not cudarc's `begin_capture`, while handoff queues work
+    /// on the stream: handoff refuses tracked work on a stream captured outside it by a check
+    /// made before queueing, which a capture begun at the same moment on another thread can
+    /// slip past (its events would then be graph nodes, and order nothing).
+    ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a context that is not `device`'s primary one, for
     /// cudarc's per-thread default stream (a different stream on each thread), or for a stream

@@ -255,11 +255,6 @@ impl Stream {
         &self.order
     }
 
-    /// True while handoff is capturing a graph here ([`crate::Graph::capture`]).
-    pub(crate) fn is_capturing(&self) -> bool {
-        self.order.hold().is_some()
-    }
-
     /// Runs `f` (which queues `what` on this stream, untracked) under the stream's order, unless
     /// handoff is capturing a graph here: [`Error::Capture`] then, as a graph cannot hold it.
     /// Held, so that no capture can begin in between.
@@ -323,11 +318,9 @@ impl Stream {
         let mut held = self.order.hold();
         if let Some(capture) = held.as_mut() {
             // Captured: nothing runs now, so nothing to record.
-            capture.check_thread()?;
-            match work {
-                Work::Cuda { keep } => capture.keep.extend(keep.cloned()),
-                Work::Uncapturable { what } => return Err(engine::not_capturable(what)),
-                Work::Nccl { .. } => unreachable!("NCCL work always uses buffers"),
+            capture.admit(false, work)?;
+            if let Work::Cuda { keep } = work {
+                capture.keep.extend(keep.cloned());
             }
             return op(self.raw);
         }

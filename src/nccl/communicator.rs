@@ -92,11 +92,17 @@ pub(crate) struct State {
     /// Every rank's mailbox (verified communicators): this rank's is marked broken with the
     /// communicator so that no peer waits for it, and carries the watchdog's heartbeat.
     pub(crate) regions: Option<Arc<[Arc<Region>]>>,
-    /// Owned by a graph: see [`State::break_with`].
-    pub(crate) in_graph: bool,
-    /// The thread aborting a graph's communicator, joined when the communicator is dropped
-    /// (after its graph): no NCCL call outlives the communicator's owner.
-    abort_thread: Option<std::thread::JoinHandle<()>>,
+    /// For a communicator owned by a graph: the thread that will abort it (see
+    /// [`State::break_with`]).
+    graph_aborter: Option<GraphAborter>,
+}
+
+/// A thread, started when a communicator is given to a graph, that aborts it when handed its
+/// handle, and otherwise ends when the communicator is dropped. Started up front so that a
+/// thread that cannot be made is an error at capture, never an abort that does not happen.
+struct GraphAborter {
+    handle: Option<std::sync::mpsc::Sender<Raw>>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 pub(crate) struct Pending {
@@ -141,31 +147,32 @@ impl State {
         if raw.is_null() {
             return;
         }
-        let raw = Raw(raw);
-        let abort = move |raw: Raw| {
-            // Best effort: NCCL sets the communicator's device itself, and the abort must
-            // happen whatever (it also ends a split still writing a child's handle).
-            let _ = crate::result::set_device(ordinal);
-            // SAFETY: `raw` was live and is not used again (now null).
-            let _ = unsafe { nc::comm_abort(raw.0) };
-        };
-        if self.in_graph {
-            // NCCL's abort first tells the GPU work to stop, then waits until every graph that
-            // captured the communicator is destroyed before it frees anything (its
-            // `commDestroySync`). The graph that owns this one is alive (the caller may be
-            // inside its launch, or the watchdog holding this lock): abort on a thread of its
-            // own, which ends once the graph is dropped. Replays launched meanwhile stop at
-            // once; NCCL's resources outlive them.
-            // (A thread that cannot be made leaves the communicator unaborted: its work stays
-            // queued, and the graph's drop does not wait for it.)
-            self.abort_thread = std::thread::Builder::new()
-                .name("handoff-graph-abort".into())
-                .spawn(move || abort(raw))
-                .ok();
-        } else {
-            abort(raw);
+        let mut raw = Raw(raw);
+        // NCCL's abort first tells the GPU work to stop, then waits until every graph that
+        // captured the communicator is destroyed before it frees anything (its
+        // `commDestroySync`). A graph's own communicator is aborted by its aborter thread, as
+        // the graph is alive (the caller may be inside its launch, or the watchdog holding
+        // this lock); that abort ends once the graph is dropped. Replays launched meanwhile
+        // stop at once, and NCCL's resources outlive them.
+        if let Some(to) = self.graph_aborter.as_ref().and_then(|g| g.handle.as_ref()) {
+            match to.send(raw) {
+                Ok(()) => return,
+                // The aborter is gone (it never ends before its handle is dropped, below):
+                // abort here after all.
+                Err(back) => raw = back.0,
+            }
         }
+        abort(raw, ordinal);
     }
+}
+
+/// `ncclCommAbort`, on `ordinal`'s device.
+fn abort(raw: Raw, ordinal: i32) {
+    // Best effort: NCCL sets the communicator's device itself, and the abort must happen
+    // whatever (it also ends a split still writing a child's handle).
+    let _ = crate::result::set_device(ordinal);
+    // SAFETY: `raw` was live and is not used again (the state's handle is now null).
+    let _ = unsafe { nc::comm_abort(raw.0) };
 }
 
 /// A communicator handle handed to the thread that aborts it.
@@ -266,8 +273,7 @@ impl Communicator {
                 pending: VecDeque::new(),
                 timeout: options.timeout(),
                 regions: None,
-                in_graph: false,
-                abort_thread: None,
+                graph_aborter: None,
                 rank,
             }),
             rank,
@@ -665,7 +671,7 @@ impl Communicator {
             usable(&state)?;
             state.pending.iter().map(|p| p.event.clone()).collect()
         };
-        self.bounded(|| self.wait_events(&events, "queued sends and receives"))
+        self.wait_for(&events, "queued sends and receives")
     }
 
     /// Blocks the host until all work queued so far on `stream` has completed, watching this
@@ -677,15 +683,17 @@ impl Communicator {
     /// [`Error::Timeout`], NCCL's asynchronous error, CUDA errors; [`Error::CommunicatorUnusable`].
     pub fn wait_stream(&self, stream: &Stream) -> Result<()> {
         usable(&self.shared.lock())?;
-        // The event recorded below must not be a node of a graph being captured.
-        if stream.is_capturing() {
-            return Err(crate::engine::not_capturable("waiting for a stream"));
+        // The event must not be a node of a graph being captured: recorded under the stream's
+        // order, outside any capture.
+        let recorded = stream.outside_capture("waiting for a stream", || {
+            stream.check_not_captured_elsewhere()?;
+            stream.record_event()
+        });
+        if let Err(refused @ Error::Capture { .. }) = recorded {
+            // Nothing queued: the communicator is fine.
+            return Err(refused);
         }
-        stream.check_not_captured_elsewhere()?;
-        self.bounded(|| {
-            let e = stream.record_event()?;
-            self.wait_events(&[e], "the work queued on a stream")
-        })
+        self.bounded(|| self.wait_events(&[recorded?], "the work queued on a stream"))
     }
 
     /// Waits, with the communicator's timeout, for `events` (recorded after its work); on an
@@ -795,10 +803,30 @@ impl Communicator {
     }
 
     /// Hands the communicator to a graph ([`crate::Graph::capture_with`]): from now on it works
-    /// only inside that graph's capture, and an abort does not wait for the graph to go.
-    pub(crate) fn give_to_graph(&mut self) {
+    /// only inside that graph's capture, and an abort does not wait for the graph to go (it
+    /// runs on a thread started here).
+    ///
+    /// # Errors
+    /// [`Error::Capture`] if the thread cannot be started.
+    pub(crate) fn give_to_graph(&mut self) -> Result<()> {
+        let (to, from) = std::sync::mpsc::channel::<Raw>();
+        let ordinal = self.shared.ordinal;
+        let thread = std::thread::Builder::new()
+            .name("handoff-graph-abort".into())
+            .spawn(move || {
+                if let Ok(raw) = from.recv() {
+                    abort(raw, ordinal);
+                }
+            })
+            .map_err(|e| Error::Capture {
+                detail: format!("could not start the thread that would abort the graph's communicator ({e})"),
+            })?;
+        self.shared.lock().graph_aborter = Some(GraphAborter {
+            handle: Some(to),
+            thread,
+        });
         self.in_graph = true;
-        self.shared.lock().in_graph = true;
+        Ok(())
     }
 
     /// Identifies the communicator for graph capture (see [`crate::Graph::capture_with`]).
@@ -871,12 +899,14 @@ impl Drop for Communicator {
                 reason: "dropped while its work did not complete".into(),
             });
         }
-        // A graph's communicator aborted on its own thread: that abort ends once the graph
-        // (dropped before its communicator) is gone; wait for it, so that no NCCL call on the
-        // communicator is left running behind its owner (at process exit, say).
-        let aborting = self.shared.lock().abort_thread.take();
-        if let Some(t) = aborting {
-            let _ = t.join();
+        // A graph's communicator: its aborter ends once it has aborted it (which ends once the
+        // graph, dropped before its communicator, is gone) or, never handed the handle, once
+        // the channel closes. Wait for it, so that no NCCL call on the communicator is left
+        // running behind its owner (at process exit, say).
+        let aborter = self.shared.lock().graph_aborter.take();
+        if let Some(mut a) = aborter {
+            drop(a.handle.take());
+            let _ = a.thread.join();
         }
     }
 }

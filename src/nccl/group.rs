@@ -265,41 +265,33 @@ impl<'a> Group<'a> {
     /// communicator's operation is captured (the engine refuses it too); PreMulSum's operator
     /// does not outlive the group, so it is not captured.
     fn check_capture(&self) -> Result<()> {
-        let mut all = self.all();
-        let first = all.next().map(|(_, s)| s);
-        if let Some(first) = first.filter(|s| s.is_capturing())
-            && all.any(|(_, s)| !std::ptr::eq(s, first))
-        {
-            return Err(Error::Capture {
-                detail: "a group captured into a graph may use only the stream being captured".into(),
-            });
-        }
+        let mut captured_on: Option<&Stream> = None;
         for (c, s) in self.all() {
-            let capturing = s.is_capturing();
-            if capturing != c.in_graph {
-                return Err(Error::Capture {
-                    detail: if capturing {
-                        "an NCCL operation in a graph must use the communicator given to \
-                         Graph::capture_with (make one for the graph, e.g. with Communicator::split)"
-                            .into()
-                    } else {
-                        "a communicator given to Graph::capture_with works only on the stream \
-                         being captured (its operations run at each replay)"
-                            .into()
-                    },
-                });
+            match s.order().hold().as_ref() {
+                Some(capture) => {
+                    capture.admit(false, engine::Work::Nccl { comms: &[c.key()] })?;
+                    captured_on.get_or_insert(s);
+                }
+                None if c.in_graph => {
+                    return Err(engine::capture_error(
+                        "this communicator belongs to a graph: it works only inside that \
+                         graph's capture (use another communicator, e.g. split, for eager work)",
+                    ));
+                }
+                None => {}
             }
         }
-        if self
-            .colls
-            .iter()
-            .any(|o| o.scalar.is_some() && o.stream.is_capturing())
-        {
-            return Err(Error::Capture {
-                detail: "a PreMulSum collective cannot be captured (its operator is made and \
-                         destroyed around each group): use Sum on pre-scaled input"
-                    .into(),
-            });
+        let Some(captured_on) = captured_on else {
+            return Ok(());
+        };
+        if self.all().any(|(_, s)| !std::ptr::eq(s, captured_on)) {
+            return Err(engine::capture_error(engine::SPANNING));
+        }
+        if self.colls.iter().any(|o| o.scalar.is_some()) {
+            return Err(engine::capture_error(
+                "a PreMulSum collective cannot be captured (its operator is made and destroyed \
+                 around each group): use Sum on pre-scaled input",
+            ));
         }
         Ok(())
     }

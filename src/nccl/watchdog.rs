@@ -11,9 +11,11 @@
 //! operation is still held up that way, and a rank whose deadline passed waits on while a peer
 //! is demonstrably alive and busy, up to [`PATIENCE`] times the timeout.
 //!
-//! It takes a communicator's lock only with `try_lock`, and aborts only while holding it: NCCL
-//! calls on one communicator never run concurrently, and a communicator in use is looked at
-//! again at the next round.
+//! It takes a communicator's lock only with `try_lock`, and breaks a communicator only while
+//! holding it: NCCL calls on one communicator never run concurrently, and a communicator in use
+//! is looked at again at the next round. (A graph's communicator is then aborted by its own
+//! aborter thread, since NCCL's abort waits for the graph to be destroyed: see
+//! `State::break_with`.)
 
 use std::sync::{Arc, Mutex, TryLockError, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
