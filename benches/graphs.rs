@@ -38,6 +38,7 @@ use handoff::{
     CommOptions, Communicator, Device, DeviceBuffer, Error, Graph, Launch, NcclType, Stream, UniqueId, group,
     kernels,
 };
+use harness::Role;
 
 /// The four ways, in their column order.
 const WAYS: [&str; 4] = ["handoff eager", "handoff graph", "raw eager", "raw graph"];
@@ -143,31 +144,12 @@ fn main() {
     }
 }
 
-/// What this process does per round.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Role {
-    /// Self mode: A, send to itself and receive, B.
-    Both,
-    /// Rank 0 of procs: A, send.
-    Sender,
-    /// Rank 1 of procs: receive, B.
-    Receiver,
-}
-
-impl Role {
-    fn sends(self) -> bool {
-        self != Role::Receiver
-    }
-    fn receives(self) -> bool {
-        self != Role::Sender
-    }
-    /// The rank this one sends to or receives from.
-    fn peer(self) -> usize {
-        match self {
-            Role::Both => 0,
-            Role::Sender => 1,
-            Role::Receiver => 0,
-        }
+/// The rank a [`Role`] sends to or receives from (itself, rank 0, in self mode).
+fn peer(role: Role) -> usize {
+    match role {
+        Role::Both => 0,
+        Role::Sender => 1,
+        Role::Receiver => 0,
     }
 }
 
@@ -254,7 +236,7 @@ impl RawCtx {
     unsafe fn round(&self, role: Role, comm: ncclComm_t, b: &RawBufs, round: u32) -> handoff::Result<()> {
         let n = b.n as u64;
         let dtype = <f32 as NcclType>::DATATYPE;
-        let peer = role.peer() as i32;
+        let peer = peer(role) as i32;
         // SAFETY (the whole block): the buffers are live device memory of this device holding
         // `n` floats; the kernels' parameters are (float*, u64, u32) and (const float*, float*,
         // u64); everything is ordered on the one raw stream.
@@ -488,7 +470,7 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<(Setup, RawCtx)> {
             if world != 2 {
                 return Err(invalid(format!("procs mode runs two ranks, not {world}")));
             }
-            let role = if rank == 0 { Role::Sender } else { Role::Receiver };
+            let role = Role::of_rank(rank);
             // The raw communicators' ids: made by rank 0, sent to rank 1 over handoff's.
             let mut ids = DeviceBuffer::<u8>::zeros(&s, 2 * UniqueId::BYTES)?;
             if rank == 0 {
@@ -565,7 +547,7 @@ fn handoff_round(
     b: &mut Bufs,
     round: u32,
 ) -> handoff::Result<()> {
-    let peer = role.peer();
+    let peer = peer(role);
     if let Some(x) = b.x.as_mut() {
         kernels::produce(s, x, round)?;
     }

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use handoff::result::nccl as raw_nccl;
 use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Event, Launch, NcclType, Stream, group};
-use harness::Way;
+use harness::{Role, Way};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Mode {
@@ -110,17 +110,6 @@ fn main() {
     }
 }
 
-/// What this process does per iteration.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Role {
-    /// Sends and receives (self and inproc modes): times and reports.
-    Both,
-    /// Rank 0 of procs: only sends.
-    Sender,
-    /// Rank 1 of procs: only receives, times and reports.
-    Receiver,
-}
-
 struct Setup {
     /// Verified (the default).
     comms: Vec<Communicator>,
@@ -142,11 +131,7 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
             let comm = l.communicator(o.comm_options())?;
             // SAFETY: both ranks run this benchmark, which posts matching sends and receives.
             let unverified = vec![l.communicator(unsafe { o.comm_options().unverified() })?];
-            let role = if comm.rank() == 0 {
-                Role::Sender
-            } else {
-                Role::Receiver
-            };
+            let role = Role::of_rank(comm.rank());
             let (send_s, recv_s) = (Stream::new(comm.device())?, Stream::new(comm.device())?);
             let label = format!("two processes, GPUs {:?}, through the bootstrap", o.devices);
             Ok(Setup {
@@ -265,7 +250,7 @@ impl Setup {
         // long; this benchmark orders raw and safe operations on the same streams, so stream
         // order alone keeps them apart.
         unsafe {
-            if self.role != Role::Receiver {
+            if self.role.sends() {
                 if self.role == Role::Both {
                     let rc = nccl.ncclGroupStart();
                     if bad(rc) {
@@ -285,7 +270,7 @@ impl Setup {
                 }
                 in_progress |= rc.0 == 7;
             }
-            if self.role != Role::Sender {
+            if self.role.receives() {
                 let rc = nccl.ncclRecv(
                     b.y.as_mut().unwrap().as_raw_mut_ptr().cast(),
                     count,
@@ -342,14 +327,16 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
     let max_count = o.sweep.max_bytes / size;
     let host_x = pattern::<T>(max_count);
     let mut b = Bufs::<T> {
-        x: (s.role != Role::Receiver)
+        x: s.role
+            .sends()
             .then(|| DeviceBuffer::from_slice(&s.send_s, &host_x))
             .transpose()?,
-        y: (s.role != Role::Sender)
+        y: s.role
+            .receives()
             .then(|| DeviceBuffer::zeros(&s.recv_s, max_count))
             .transpose()?,
     };
-    let reports = s.role != Role::Sender;
+    let reports = s.role.receives();
     let dev = s.timing_stream().device().clone();
     let (start, end) = (Event::new(&dev)?, Event::new(&dev)?);
     if reports {

@@ -95,6 +95,33 @@ impl Sweep {
     }
 }
 
+/// What a process does in a point-to-point benchmark: both sides (one rank sending to itself, or
+/// one process driving both ranks), or one side of two processes (rank 0 sends to rank 1).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Role {
+    /// Sends and receives.
+    Both,
+    /// Rank 0 of two processes: only sends, to rank 1.
+    Sender,
+    /// Rank 1 of two processes: only receives, from rank 0.
+    Receiver,
+}
+
+impl Role {
+    /// The side `rank` plays in two processes.
+    pub fn of_rank(rank: usize) -> Role {
+        if rank == 0 { Role::Sender } else { Role::Receiver }
+    }
+
+    pub fn sends(self) -> bool {
+        self != Role::Receiver
+    }
+
+    pub fn receives(self) -> bool {
+        self != Role::Sender
+    }
+}
+
 /// Starts the running benchmark again as two ranks in two processes, with its arguments, as a
 /// launcher would: rank `r` on GPU `local_ranks[r]`. Waits for both.
 pub fn spawn_procs(local_ranks: [usize; 2]) -> Result<(), String> {
