@@ -829,6 +829,19 @@ impl Communicator {
         Ok(())
     }
 
+    /// [`Error::Capture`] for a communicator given to a graph, outside that graph's capture:
+    /// it runs nothing but the graph's replays, so that every NCCL operation on it meets its
+    /// verified counterpart (eager operations, splits included, are refused).
+    pub(crate) fn check_not_in_graph(&self) -> Result<()> {
+        if self.in_graph {
+            return Err(crate::engine::capture_error(
+                "this communicator belongs to a graph: it works only inside that graph's capture \
+                 (use another communicator, e.g. split from the parent, for eager work)",
+            ));
+        }
+        Ok(())
+    }
+
     /// Identifies the communicator for graph capture (see [`crate::Graph::capture_with`]).
     pub(crate) fn key(&self) -> usize {
         Arc::as_ptr(&self.shared) as usize

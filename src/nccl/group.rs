@@ -272,13 +272,7 @@ impl<'a> Group<'a> {
                     capture.admit(false, engine::Work::Nccl { comms: &[c.key()] })?;
                     captured_on.get_or_insert(s);
                 }
-                None if c.in_graph => {
-                    return Err(engine::capture_error(
-                        "this communicator belongs to a graph: it works only inside that \
-                         graph's capture (use another communicator, e.g. split, for eager work)",
-                    ));
-                }
-                None => {}
+                None => c.check_not_in_graph()?,
             }
         }
         let Some(captured_on) = captured_on else {

@@ -64,7 +64,7 @@ impl Communicator {
     /// # Errors
     /// [`Error::InvalidArgument`] for a color of 2^30 or more (those are handoff's), or for a
     /// rank made by [`Communicator::init_all`] (splitting it alone would wait for the other
-    /// ranks forever);
+    /// ranks forever); [`Error::Capture`] for a communicator a graph owns;
     /// [`Error::CommunicatorUnusable`] once this communicator is broken; NCCL errors;
     /// [`Error::Timeout`]; [`Error::Setup`] when the new communicator's ranks cannot set up
     /// verification (as for [`Communicator::new`]); [`Error::InvalidArgument`] when
@@ -73,6 +73,7 @@ impl Communicator {
     /// been half done (NCCL 2.28 then keeps some of the half-made child's memory: its abort
     /// frees only communicators that finished initializing).
     pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Communicator>> {
+        self.check_not_in_graph()?;
         if self.clique.is_some() {
             return Err(Error::InvalidArgument(format!(
                 "rank {} was made by Communicator::init_all with the other ranks of this \
@@ -142,6 +143,9 @@ impl Communicator {
         comms: &[Communicator],
         splits: &[(Option<u32>, i32)],
     ) -> Result<Vec<Option<Communicator>>> {
+        for c in comms {
+            c.check_not_in_graph()?;
+        }
         let whole = comms
             .first()
             .and_then(|c| c.clique.as_ref())
