@@ -98,14 +98,22 @@
 //!   data, a hang, a write past a shorter receive). By default ([`CommOptions::default`], every
 //!   profile) each rank publishes every send and receive it is about to post in shared memory
 //!   and checks its peer's counterpart (count and type, in the order issued) before calling
-//!   NCCL; a disagreement is [`Error::Mismatch`] on both ranks with nothing transferred. Ranks
+//!   NCCL; a disagreement is [`Error::Mismatch`] on both ranks with nothing transferred. What is
+//!   compared is what NCCL pairs: NCCL runs all_to_all, gather and scatter as sends and
+//!   receives in the same per-peer queues as `ncclSend`/`ncclRecv`, so their per-peer parts are
+//!   compared with the sends and receives around them, in the order a group posts its calls
+//!   (the order they were made in); the model, with the NCCL source it follows, is written down
+//!   in `src/nccl/verify/model.rs`, and a CPU test checks verification against a model of
+//!   NCCL's queues over every two-rank program of up to two calls per rank. Ranks
 //!   settle at creation that all verify or none does, so a verifying rank never talks to one
 //!   that does not. Collectives are checked the same way: every rank posts the same
 //!   operations, counts, types, reductions and roots in the same order. Opting out is
-//!   [`CommOptions::unverified`], `unsafe`: the caller promises matching operations. Sends to oneself, and between ranks of one
-//!   [`Communicator::init_all`], are matched within their group. Tests: the verification's CPU
-//!   tests (threads and two processes' mailbox files); `tests/soundness.rs` (a short receive in
-//!   one process and across threads; ranks that disagree on verification);
+//!   [`CommOptions::unverified`], `unsafe`: the caller promises matching operations. Sends to
+//!   oneself, and between ranks of one [`Communicator::init_all`], are matched within their
+//!   group (collectives' parts included), verified or not. Tests: the verification's CPU tests
+//!   (threads, two processes' mailbox files, the model against NCCL's queues);
+//!   `tests/soundness.rs` (a short receive in one process and across threads; a send against a
+//!   gather's part, in one process and across threads; ranks that disagree on verification);
 //!   `tests/reliability.rs` (mismatched count and type across two processes).
 //! - **Bounded.** Every host wait on a communicator has its timeout; the wait for a peer's
 //!   counterpart is bounded by it and never waits for the GPU. A watchdog thread aborts a
@@ -139,11 +147,11 @@
 //! - A report of cut-short data reaches the first host read of the received buffer (or of a
 //!   pinned host buffer copied from it); a kernel or a device copy that read it on the GPU before
 //!   that passed on partial data (valid values, wrong ones) without its output being flagged.
-//! - Verification compares each pair's sends and receives, and each communicator's collectives,
-//!   in order, not how they are split into groups: a rank that groups a send with a collective
-//!   while its peer posts them in separate groups passes verification, and NCCL can then wait
-//!   for itself until the watchdog aborts the communicators (bounded, reported as a timeout
-//!   rather than `Error::Mismatch`).
+//! - Verification compares what NCCL pairs (each pair's per-peer sends and receives, in order,
+//!   and each communicator's collectives), not how they are split into groups: a rank that
+//!   groups a send and a receive with one peer while the peer posts them in separate groups,
+//!   receive first, passes verification, and NCCL can then wait for itself until the watchdog
+//!   aborts the communicators (bounded, reported as a timeout rather than `Error::Mismatch`).
 
 #![warn(missing_docs)]
 

@@ -30,6 +30,16 @@ fn main() {
             short_receive_across_threads,
         ),
         g.trial(
+            "hostile1_a_send_against_a_gathers_part_is_a_mismatch_on_both",
+            2,
+            send_against_a_gathers_part,
+        ),
+        g.trial(
+            "hostile1_a_send_against_a_gathers_part_in_one_process_is_refused",
+            2,
+            send_against_a_gathers_part_in_one_process,
+        ),
+        g.trial(
             "hole2_ranks_disagreeing_on_verification_fail_at_creation",
             2,
             disagreeing_ranks,
@@ -162,6 +172,105 @@ fn short_receive_across_threads() -> Result<(), Failed> {
         }
     }
     Ok(())
+}
+
+/// Hostile-peers hole 1, as the review wrote it: rank 1 groups a send of 4096 f32 to rank 0
+/// with a gather of one f32 to root 0; rank 0 posts the gather, then its receive of 4096. NCCL
+/// runs a gather as sends and receives in the same per-peer queues as `ncclSend`/`ncclRecv`,
+/// so it would pair the 4096-element send with the gather's one-element receive at the end of
+/// rank 0's output. Now a mismatch on both ranks, and nothing written past the output (a guard
+/// of 4096 elements right after it stays zero).
+fn send_against_a_gathers_part() -> Result<(), Failed> {
+    let opts = CommOptions::default().with_timeout(Duration::from_secs(20));
+    let results = two_threads([opts, opts], |made| {
+        let comm = made.map_err(|e| e.to_string())?;
+        let e = |e: Error| e.to_string();
+        let s = Stream::new(comm.device()).map_err(e)?;
+        let a = DeviceBuffer::<f32>::from_slice(&s, &[7.0]).map_err(e)?;
+        // Warm-up: a matched send/receive and a gather connect the pair first.
+        let mut warm = DeviceBuffer::<f32>::zeros(&s, 2).map_err(e)?;
+        if comm.rank() == 1 {
+            comm.send(&a, 0, &s).map_err(e)?;
+        } else {
+            comm.recv(warm.slice_mut(0..1).map_err(e)?, 1, &s).map_err(e)?;
+        }
+        comm.gather(&a, &mut warm, 0, &s).map_err(e)?;
+        s.synchronize().map_err(e)?;
+        let r = if comm.rank() == 1 {
+            let x = DeviceBuffer::<f32>::from_slice(&s, &[7.0; 4096]).map_err(e)?;
+            let mut none = DeviceBuffer::<f32>::zeros(&s, 0).map_err(e)?;
+            group(|g| {
+                g.send(&comm, &x, 0, &s)?;
+                g.gather(&comm, &a, &mut none, 0, &s)
+            })
+        } else {
+            // The root's output (two elements), then a guard of 4096.
+            let mut out = DeviceBuffer::<f32>::zeros(&s, 2 + 4096).map_err(e)?;
+            let mut r = DeviceBuffer::<f32>::zeros(&s, 4096).map_err(e)?;
+            let (head, _) = out.split_at_mut(2).map_err(e)?;
+            let r = comm
+                .gather(&a, head, 0, &s)
+                .and_then(|()| comm.recv(&mut r, 1, &s));
+            let guard = out.to_vec(&s).map_err(e)?;
+            if guard[2..].iter().any(|&v| v != 0.0) {
+                return Err("NCCL wrote past the gather's output".into());
+            }
+            r
+        };
+        match r {
+            Err(Error::Mismatch { detail }) => Ok(detail),
+            other => Err(format!(
+                "rank {}: expected a mismatch, got {other:?}",
+                comm.rank()
+            )),
+        }
+    })?;
+    for (rank, r) in results.into_iter().enumerate() {
+        let detail = r?;
+        println!("rank {rank}: {detail}");
+        if !detail.contains("4096") || !detail.contains("gather") {
+            return Err(format!("rank {rank}'s mismatch does not name the two sides: {detail}").into());
+        }
+    }
+    Ok(())
+}
+
+/// The same in one process (ranks of one `init_all`, one group): refused before anything is
+/// posted, the communicators intact.
+fn send_against_a_gathers_part_in_one_process() -> Result<(), Failed> {
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let comms = Communicator::init_all(&devs)?;
+    let (s0, s1) = (Stream::new(&devs[0])?, Stream::new(&devs[1])?);
+    let a0 = DeviceBuffer::<f32>::from_slice(&s0, &[1.0])?;
+    let a1 = DeviceBuffer::<f32>::from_slice(&s1, &[2.0])?;
+    let x = DeviceBuffer::<f32>::from_slice(&s1, &[7.0; 4096])?;
+    let mut out = DeviceBuffer::<f32>::zeros(&s0, 2)?;
+    let mut none = DeviceBuffer::<f32>::zeros(&s1, 0)?;
+    let mut r = DeviceBuffer::<f32>::zeros(&s0, 4096)?;
+    let refused = group(|g| {
+        g.gather(&comms[0], &a0, &mut out, 0, &s0)?;
+        g.recv(&comms[0], &mut r, 1, &s0)?;
+        g.send(&comms[1], &x, 0, &s1)?;
+        g.gather(&comms[1], &a1, &mut none, 0, &s1)
+    });
+    match refused {
+        Err(Error::InvalidArgument(m)) if m.contains("gather") => println!("refused: {m}"),
+        other => return Err(format!("expected the mixed group refused, got {other:?}").into()),
+    }
+    for c in &comms {
+        if let Some(r) = c.broken_reason() {
+            return Err(format!("rank {} was broken: {r}", c.rank()).into());
+        }
+    }
+    // In a matching order the same calls run, and deliver.
+    group(|g| {
+        g.gather(&comms[0], &a0, &mut out, 0, &s0)?;
+        g.recv(&comms[0], &mut r, 1, &s0)?;
+        g.gather(&comms[1], &a1, &mut none, 0, &s1)?;
+        g.send(&comms[1], &x, 0, &s1)
+    })?;
+    assert_all_eq("the gather", &out.to_vec(&s0)?, |i| [1.0, 2.0][i])?;
+    assert_all_eq("the receive", &r.to_vec(&s0)?, |_| 7.0)
 }
 
 /// Hole 2: one rank verifying, the other not. Both fail at creation.

@@ -146,7 +146,7 @@ impl<'a> Group<'a> {
             stream.check_tracked(s.tracked(), Access::Read)?;
         }
         stream.check_tracked(recv.tracked(), Access::Write)?;
-        self.colls.push(CollOp {
+        self.push_coll(CollOp {
             comm,
             stream,
             desc: CollDesc {

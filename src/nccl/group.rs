@@ -9,7 +9,8 @@ use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, Cut, State, usable};
 use crate::nccl::types::NcclType;
-use crate::nccl::verify::wire::{CollDesc, CollKind, OpDesc};
+use crate::nccl::verify::model::{self, Call};
+use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, OpDesc, P2P};
 use crate::nccl::verify::{self, CollOps, Failure, PairOps};
 use crate::result::nccl as nc;
 use crate::stream::Stream;
@@ -101,13 +102,30 @@ impl CollOp<'_> {
 }
 
 impl Op<'_> {
-    fn desc(&self) -> OpDesc {
-        OpDesc {
-            count: self.count as u64,
-            dtype: self.dtype.0,
-            captured: self.comm.in_graph,
+    fn call(&self) -> Call {
+        Call::P2p {
+            peer: self.peer,
+            dir: if self.access == Access::Read {
+                Dir::Send
+            } else {
+                Dir::Recv
+            },
+            desc: OpDesc {
+                count: self.count as u64,
+                dtype: self.dtype.0,
+                captured: self.comm.in_graph,
+                part: P2P,
+            },
         }
     }
+}
+
+/// One call of a group, in the order the closure made them: the order [`Group`] posts them in,
+/// which is the order NCCL matches their per-peer parts in (see [`model`]).
+#[derive(Clone, Copy)]
+enum Posted {
+    P2p(usize),
+    Coll(usize),
 }
 
 /// Sends, receives and collectives queued together (`ncclGroupStart` … `ncclGroupEnd`), made
@@ -121,6 +139,7 @@ impl Op<'_> {
 pub struct Group<'a> {
     ops: Vec<Op<'a>>,
     pub(crate) colls: Vec<CollOp<'a>>,
+    order: Vec<Posted>,
     /// NCCL's group state is per thread.
     _not_send: PhantomData<*const ()>,
 }
@@ -157,6 +176,7 @@ pub fn group<'a, R>(f: impl FnOnce(&mut Group<'a>) -> Result<R>) -> Result<R> {
     let mut g = Group {
         ops: Vec::new(),
         colls: Vec::new(),
+        order: Vec::new(),
         _not_send: PhantomData,
     };
     let out = f(&mut g)?;
@@ -238,6 +258,7 @@ impl<'a> Group<'a> {
             // Defined as a no-op on both sides: NCCL is not called and nothing is tracked.
             return Ok(());
         }
+        self.order.push(Posted::P2p(self.ops.len()));
         self.ops.push(Op {
             comm,
             stream,
@@ -251,12 +272,31 @@ impl<'a> Group<'a> {
         Ok(())
     }
 
-    /// Every operation's communicator and stream, sends and receives first.
+    /// Adds a checked collective.
+    pub(crate) fn push_coll(&mut self, op: CollOp<'a>) {
+        self.order.push(Posted::Coll(self.colls.len()));
+        self.colls.push(op);
+    }
+
+    /// Every operation's communicator and stream, in call order.
     fn all(&self) -> impl Iterator<Item = (&'a Communicator, &'a Stream)> + '_ {
-        self.ops
-            .iter()
-            .map(|o| (o.comm, o.stream))
-            .chain(self.colls.iter().map(|c| (c.comm, c.stream)))
+        self.order.iter().map(|p| match *p {
+            Posted::P2p(i) => (self.ops[i].comm, self.ops[i].stream),
+            Posted::Coll(i) => (self.colls[i].comm, self.colls[i].stream),
+        })
+    }
+
+    /// Every send and receive NCCL will queue for this group, its collectives' per-peer parts
+    /// included, in NCCL's order: `(communicator, peer, direction, description)`.
+    fn queued(&self) -> impl Iterator<Item = (&'a Communicator, usize, Dir, OpDesc)> + '_ {
+        self.order.iter().flat_map(|p| {
+            let (comm, call) = match *p {
+                Posted::P2p(i) => (self.ops[i].comm, self.ops[i].call()),
+                Posted::Coll(i) => (self.colls[i].comm, Call::Coll(self.colls[i].desc)),
+            };
+            model::expand(call, comm.rank(), comm.world_size())
+                .map(move |(peer, dir, d)| (comm, peer, dir, d))
+        })
     }
 
     /// Graph capture, checked before anything is verified or posted: a communicator given to
@@ -352,10 +392,10 @@ impl<'a> Group<'a> {
     /// The communicator of rank `peer` made by the same `init_all` as `comm`, in this group.
     fn local_peer(&self, comm: &Communicator, peer: usize) -> Option<&'a Communicator> {
         if peer == comm.rank() {
-            return Some(self.ops.iter().find(|o| std::ptr::eq(o.comm, comm))?.comm);
+            return Some(self.all().find(|(c, _)| std::ptr::eq(*c, comm))?.0);
         }
         let clique = comm.clique.as_ref()?;
-        self.ops.iter().map(|o| o.comm).find(|c| {
+        self.all().map(|(c, _)| c).find(|c| {
             c.rank() == peer
                 && c.clique
                     .as_ref()
@@ -364,45 +404,46 @@ impl<'a> Group<'a> {
     }
 
     /// Operations whose counterpart must be in this group (sends to oneself, and between ranks
-    /// of one `init_all`, which one thread drives) are matched here, before anything is
-    /// published or posted, whether or not the communicator verifies: NCCL would otherwise
-    /// wait forever for the other half. NCCL matches a pair's operations in the order issued.
+    /// of one `init_all`, which one thread drives), collectives' parts included, are matched
+    /// here, before anything is published or posted, whether or not the communicator verifies:
+    /// NCCL would otherwise wait forever for the other half, or pair it with another operation.
     fn check_local(&self) -> Result<()> {
-        for op in &self.ops {
-            let (me, peer) = (op.comm.rank(), op.peer);
-            if peer != me && op.comm.clique.is_none() {
+        for (comm, peer, dir, _) in self.queued() {
+            let me = comm.rank();
+            if peer != me && comm.clique.is_none() {
                 continue;
             }
-            let Some(other) = self.local_peer(op.comm, peer) else {
+            let Some(other) = self.local_peer(comm, peer) else {
                 return Err(Error::InvalidArgument(format!(
                     "rank {me} {} rank {peer}, made by the same Communicator::init_all, outside \
                      a group that holds rank {peer}'s counterpart: ranks made together are \
                      driven by one thread, so put the send and the receive in one group (or make \
                      each rank with Communicator::new on its own thread)",
-                    if op.access == Access::Read {
+                    if dir == Dir::Send {
                         "sends to"
                     } else {
                         "receives from"
                     }
                 )));
             };
-            let side = |from: &'a Communicator, to: usize, access: Access| {
-                self.ops
-                    .iter()
-                    .filter(move |o| std::ptr::eq(o.comm, from) && o.peer == to && o.access == access)
-                    .map(|o| (o.count, o.dtype.0))
+            let side = |from: &'a Communicator, to: usize, d: Dir| -> Vec<OpDesc> {
+                self.queued()
+                    .filter(|&(c, p, e, _)| std::ptr::eq(c, from) && p == to && e == d)
+                    .map(|(.., desc)| desc)
+                    .collect()
             };
             // Both directions of the pair: my sends with its receives, its sends with mine.
-            for (from, to, a, b) in [(op.comm, other, me, peer), (other, op.comm, peer, me)] {
-                let sends = side(from, b, Access::Read);
-                let recvs = side(to, a, Access::Write);
-                if !sends.clone().eq(recvs.clone()) {
+            for (from, to, a, b) in [(comm, other, me, peer), (other, comm, peer, me)] {
+                let (sends, recvs) = (side(from, b, Dir::Send), side(to, a, Dir::Recv));
+                if sends != recvs {
+                    let list = |l: &[OpDesc]| l.iter().map(|d| d.describe()).collect::<Vec<_>>().join("; ");
                     return Err(Error::InvalidArgument(format!(
-                        "rank {a}'s sends to rank {b} {:?} and rank {b}'s receives from rank {a} \
-                         {:?}, as (count, NCCL type) in the order issued, must match one to one \
-                         in the same group, or NCCL waits forever or writes past a receive",
-                        sends.collect::<Vec<_>>(),
-                        recvs.collect::<Vec<_>>()
+                        "rank {a}'s sends to rank {b} [{}] and rank {b}'s receives from rank {a} \
+                         [{}], in the order NCCL queues them (collectives' parts included), must \
+                         match one to one in the same group, or NCCL waits forever or writes past \
+                         a receive",
+                        list(&sends),
+                        list(&recvs)
                     )));
                 }
             }
@@ -414,31 +455,31 @@ impl<'a> Group<'a> {
     /// and its counterpart seen and compared, before anything reaches NCCL.
     fn verify(&self, comms: &[&'a Communicator]) -> Result<()> {
         let mut pairs: Vec<PairOps<'_>> = Vec::new();
-        for op in &self.ops {
-            let Some(boxes) = &op.comm.boxes else { continue };
+        for (comm, peer, dir, desc) in self.queued() {
+            let Some(boxes) = &comm.boxes else { continue };
             let i = match pairs
                 .iter()
-                .position(|p| std::ptr::eq(p.boxes, boxes) && p.peer == op.peer)
+                .position(|p| std::ptr::eq(p.boxes, boxes) && p.peer == peer)
             {
                 Some(i) => i,
                 None => {
                     pairs.push(PairOps {
                         boxes,
-                        peer: op.peer,
+                        peer,
                         sends: Vec::new(),
                         recvs: Vec::new(),
-                        local: op.peer == op.comm.rank() || op.comm.clique.is_some(),
-                        timeout: op.comm.timeout(),
+                        local: peer == comm.rank() || comm.clique.is_some(),
+                        timeout: comm.timeout(),
                     });
                     pairs.len() - 1
                 }
             };
-            let side = if op.access == Access::Read {
+            let side = if dir == Dir::Send {
                 &mut pairs[i].sends
             } else {
                 &mut pairs[i].recvs
             };
-            side.push(op.desc());
+            side.push(desc);
         }
         let mut colls: Vec<CollOps<'_>> = Vec::new();
         for op in &self.colls {
@@ -617,70 +658,48 @@ impl<'a> Group<'a> {
         // group closed before handoff's calls); closed below on every path.
         unsafe { nc::group_start() }?;
         let mut failed: Option<Error> = None;
-        for op in &self.ops {
-            let comm = raw_of(op.comm);
-            // SAFETY: `op` was checked when added: the pointer and count lie inside a buffer of
-            // the communicator's device, borrowed for the group's lifetime 'a; the peer is in
-            // range; the stream is live; the peer has posted the same count and type in the same
-            // place in its order (verified, or promised by `CommOptions::unverified`). Tracking
-            // made the stream wait for conflicting uses and records this one after the group.
-            let rc = unsafe {
-                if op.access == Access::Read {
-                    nc::send(
-                        op.ptr,
-                        op.count,
-                        op.dtype,
-                        op.peer as i32,
-                        comm,
-                        op.stream.as_raw(),
-                    )
-                } else {
-                    nc::recv(
-                        op.ptr,
-                        op.count,
-                        op.dtype,
-                        op.peer as i32,
-                        comm,
-                        op.stream.as_raw(),
-                    )
+        // In call order: the order verification modelled (see `model`).
+        for posted in &self.order {
+            let (rc, call) = match *posted {
+                Posted::P2p(i) => {
+                    let op = &self.ops[i];
+                    let send = op.access == Access::Read;
+                    let (ptr, count, dtype, peer) = (op.ptr, op.count, op.dtype, op.peer as i32);
+                    let (comm, stream) = (raw_of(op.comm), op.stream.as_raw());
+                    // SAFETY: `op` was checked when added: the pointer and count lie inside a
+                    // buffer of the communicator's device, borrowed for the group's lifetime 'a;
+                    // the peer is in range; the stream is live; the peer has posted the same
+                    // count and type in the same place in its order (verified, or promised by
+                    // `CommOptions::unverified`). Tracking made the stream wait for conflicting
+                    // uses and records this one after the group.
+                    let rc = unsafe {
+                        if send {
+                            nc::send(ptr, count, dtype, peer, comm, stream)
+                        } else {
+                            nc::recv(ptr, count, dtype, peer, comm, stream)
+                        }
+                    };
+                    let call = if send { "ncclSend" } else { "ncclRecv" };
+                    (rc, call)
+                }
+                Posted::Coll(i) => {
+                    let op = &self.colls[i];
+                    // SAFETY: `CollOp::issue`'s contract: checked when added, verified (or
+                    // promised), tracked; the communicator is live (lock held); `redops[i]` was
+                    // made on it for this type.
+                    (unsafe { op.issue(raw_of(op.comm), redops[i]) }, op.call_name())
                 }
             };
             let issued = rc.and_then(|rc| {
                 if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress {
                     Ok(())
                 } else {
-                    Err(nc::error(
-                        if op.access == Access::Read {
-                            "ncclSend"
-                        } else {
-                            "ncclRecv"
-                        },
-                        rc,
-                    ))
+                    Err(nc::error(call, rc))
                 }
             });
             if let Err(e) = issued {
                 failed = Some(e);
                 break;
-            }
-        }
-        for (op, redop) in self.colls.iter().zip(&redops) {
-            if failed.is_some() {
-                break;
-            }
-            let comm = raw_of(op.comm);
-            // SAFETY: `CollOp::issue`'s contract: checked when added, verified (or promised),
-            // tracked; the communicator is live (lock held); `redop` was made on it for this type.
-            let rc = unsafe { op.issue(comm, *redop) };
-            let issued = rc.and_then(|rc| {
-                if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress {
-                    Ok(())
-                } else {
-                    Err(nc::error(op.call_name(), rc))
-                }
-            });
-            if let Err(e) = issued {
-                failed = Some(e);
             }
         }
         // Always close the group, even after an error.

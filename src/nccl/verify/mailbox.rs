@@ -339,6 +339,7 @@ mod tests {
 
     fn op(count: u64) -> OpDesc {
         OpDesc {
+            part: super::super::wire::P2P,
             count,
             dtype: 7,
             captured: false,

@@ -16,6 +16,7 @@
 //! error at once, never a wait.
 
 pub(crate) mod mailbox;
+pub(crate) mod model;
 pub(crate) mod wire;
 
 use std::cell::RefCell;
@@ -342,6 +343,7 @@ mod tests {
 
     fn op(count: u64) -> OpDesc {
         OpDesc {
+            part: wire::P2P,
             count,
             dtype: F32,
             captured: false,

@@ -5,8 +5,9 @@
 use crate::nccl::types::datatype_name;
 
 /// One send or receive as its peer must see it: NCCL matches the sends and receives between two
-/// ranks in the order they were issued, and each pair must agree on element count and type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// ranks in the order they were issued, and each pair must agree on element count and type
+/// (see [`super::model`] for what counts as a send or a receive).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct OpDesc {
     /// Elements.
     pub(crate) count: u64,
@@ -15,12 +16,23 @@ pub(crate) struct OpDesc {
     /// Captured into a graph: NCCL requires an operation to be captured on every rank of the
     /// transfer or on none.
     pub(crate) captured: bool,
+    /// The [`CollKind`] code of the collective this is a per-peer part of, or [`P2P`] for a
+    /// send or receive the user posted: a part paired with another kind of operation would
+    /// deliver into the wrong buffer even when the sizes agree. Raw, so that a peer's unknown
+    /// code compares unequal instead of failing to decode.
+    pub(crate) part: u8,
 }
+
+/// [`OpDesc::part`] of a user's own send or receive.
+pub(crate) const P2P: u8 = 0;
 
 impl OpDesc {
     /// The two words of a ring entry after its tag.
     pub(crate) fn encode(self) -> [u64; 2] {
-        [self.count, u64::from(self.dtype) | u64::from(self.captured) << 32]
+        [
+            self.count,
+            u64::from(self.dtype) | u64::from(self.captured) << 32 | u64::from(self.part) << 40,
+        ]
     }
 
     pub(crate) fn decode(w: [u64; 2]) -> OpDesc {
@@ -28,12 +40,20 @@ impl OpDesc {
             count: w[0],
             dtype: w[1] as u32,
             captured: (w[1] >> 32) & 1 == 1,
+            part: (w[1] >> 40) as u8,
         }
     }
 
-    fn describe(self) -> String {
+    pub(crate) fn describe(self) -> String {
+        let part = match self.part {
+            P2P => String::new(),
+            code => match CollKind::from_code(u64::from(code)) {
+                Some(k) => format!(" (part of a {})", k.name()),
+                None => format!(" (part of an operation of unknown code {code})"),
+            },
+        };
         format!(
-            "{} elements of {}{}",
+            "{} elements of {}{part}{}",
             self.count,
             datatype_name(self.dtype),
             captured_note(self.captured)
@@ -229,7 +249,9 @@ pub(crate) fn compare_coll(
     ))
 }
 
-const CARD_MAGIC: u64 = 0x4844_4f46_4643_4432; // "HDOFFCD2"
+// "HDOFFCD3": ring entries name the collective a send or receive is part of, so ranks of
+// another version must not be paired with these.
+const CARD_MAGIC: u64 = 0x4844_4f46_4643_4433; // "HDOFFCD3"
 /// Words in an encoded card.
 pub(crate) const CARD_WORDS: usize = 32;
 const PATH_WORDS: usize = CARD_WORDS - 8;
@@ -341,6 +363,7 @@ mod tests {
             count,
             dtype,
             captured: false,
+            part: P2P,
         }
     }
 
@@ -350,6 +373,30 @@ mod tests {
         assert_eq!(OpDesc::decode(o.encode()), o);
         let c = OpDesc { captured: true, ..o };
         assert_eq!(OpDesc::decode(c.encode()), c);
+        let g = OpDesc {
+            part: CollKind::Gather as u8,
+            ..c
+        };
+        assert_eq!(OpDesc::decode(g.encode()), g);
+    }
+
+    #[test]
+    fn a_send_paired_with_a_collectives_part_is_a_mismatch_even_of_one_size() {
+        let part = OpDesc {
+            part: CollKind::Gather as u8,
+            ..op(4, F32)
+        };
+        let e = compare(1, 0, Dir::Send, 0, op(4, F32), part).unwrap_err();
+        assert!(
+            e.contains("is 4 elements of f32, but") && e.ends_with("is 4 elements of f32 (part of a gather)"),
+            "{e}"
+        );
+        let odd = OpDesc { part: 200, ..part };
+        assert!(
+            compare(1, 0, Dir::Send, 0, part, odd)
+                .unwrap_err()
+                .contains("unknown code 200")
+        );
     }
 
     #[test]
