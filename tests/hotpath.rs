@@ -1,0 +1,469 @@
+//! The hot path's cost in counts, on a CPU: CUDA and NCCL calls by name and heap allocations per
+//! tracked operation, in steady state, against stub libraries (tests/stubs/*.c, built here with
+//! the system's C compiler) that return success at once and count their calls per thread. The
+//! counts are exact and asserted, so a change that adds a runtime call or an allocation to the
+//! path fails CI; timing stays in the benchmarks.
+//!
+//! The stubs are chosen with `HANDOFF_CUDART_PATH` / `HANDOFF_NCCL_PATH`, set at the start of
+//! this binary's `main`, before anything opens a library (the crate opens them once per
+//! process). Run with `--nocapture` to see the counts.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Graph, ReduceOp, Stream, group, kernels};
+use libtest_mimic::{Arguments, Failed, Trial};
+
+/// Counts the calling thread's heap allocations (allocations and reallocations).
+struct Counting;
+
+thread_local! {
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
+
+fn note_alloc() {
+    let _ = ALLOCS.try_with(|a| a.set(a.get() + 1));
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; counting touches only a
+// const-initialised thread-local without a destructor, which allocates nothing.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note_alloc();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note_alloc();
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note_alloc();
+        // SAFETY: as above.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// The stub libraries, built once into a folder of their own.
+struct Stubs {
+    cudart: libloading::Library,
+    nccl: libloading::Library,
+}
+
+/// cudaErrorNotReady: what the stub's cudaEventQuery returns while work "runs".
+const NOT_READY: i32 = 600;
+
+fn build_stubs() -> Result<(PathBuf, PathBuf), String> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/stubs");
+    let out = std::env::temp_dir().join(format!("handoff-hotpath-stubs-{}", std::process::id()));
+    std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let mut built = Vec::new();
+    for (c, so) in [("cudart.c", "libcudart.so.13"), ("nccl.c", "libnccl.so.2")] {
+        let target = out.join(so);
+        let status = std::process::Command::new(&cc)
+            .args([
+                "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-pthread", "-I",
+            ])
+            .arg(&src)
+            .arg("-o")
+            .arg(&target)
+            .arg(src.join(c))
+            .status()
+            .map_err(|e| format!("could not run the C compiler {cc:?} (set CC): {e}"))?;
+        if !status.success() {
+            return Err(format!("{cc} failed to build {c}: {status}"));
+        }
+        built.push(target);
+    }
+    Ok((built[0].clone(), built[1].clone()))
+}
+
+impl Stubs {
+    fn open(cudart: &Path, nccl: &Path) -> Stubs {
+        // SAFETY: the stubs just built: plain C with no initialisers.
+        unsafe {
+            Stubs {
+                cudart: libloading::Library::new(cudart).expect("stub runtime"),
+                nccl: libloading::Library::new(nccl).expect("stub NCCL"),
+            }
+        }
+    }
+
+    /// The calling thread's calls so far, by name.
+    fn mine(lib: &libloading::Library, prefix: &str) -> BTreeMap<String, u64> {
+        let name = format!("{prefix}_stub_dump\0");
+        let mut buf = vec![0u8; 8192];
+        // SAFETY: `void dump(char *buf, unsigned long len)`, writing at most `len` bytes.
+        unsafe {
+            let dump: libloading::Symbol<unsafe extern "C" fn(*mut u8, usize)> =
+                lib.get(name.as_bytes()).expect("dump");
+            dump(buf.as_mut_ptr(), buf.len());
+        }
+        let text = std::ffi::CStr::from_bytes_until_nul(&buf).expect("NUL");
+        text.to_str()
+            .expect("ASCII")
+            .split_whitespace()
+            .map(|kv| {
+                let (k, v) = kv.split_once('=').expect("name=count");
+                (k.to_string(), v.parse().expect("count"))
+            })
+            .collect()
+    }
+
+    /// Every thread's calls of `name` so far.
+    fn all(&self, name: &str) -> u64 {
+        let (lib, prefix) = if name.starts_with("nccl") {
+            (&self.nccl, "nccl")
+        } else {
+            (&self.cudart, "cudart")
+        };
+        let sym = format!("{prefix}_stub_count\0");
+        let name = std::ffi::CString::new(name).expect("name");
+        // SAFETY: `long count(const char *name, int all)`.
+        unsafe {
+            let count: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char, i32) -> i64> =
+                lib.get(sym.as_bytes()).expect("count");
+            count(name.as_ptr(), 1) as u64
+        }
+    }
+
+    fn set_event_query(&self, rc: i32) {
+        // SAFETY: `void set(int)`.
+        unsafe {
+            let set: libloading::Symbol<unsafe extern "C" fn(i32)> =
+                self.cudart.get(b"cudart_stub_set_event_query\0").expect("setter");
+            set(rc);
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let mut calls = Self::mine(&self.cudart, "cudart");
+        calls.extend(Self::mine(&self.nccl, "nccl"));
+        Snapshot {
+            calls,
+            allocs: ALLOCS.with(Cell::get),
+        }
+    }
+}
+
+/// The calling thread's counts at one moment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Snapshot {
+    calls: BTreeMap<String, u64>,
+    allocs: u64,
+}
+
+impl Snapshot {
+    fn since(&self, before: &Snapshot) -> Snapshot {
+        let calls = self
+            .calls
+            .iter()
+            .map(|(k, v)| (k.clone(), v - before.calls.get(k).copied().unwrap_or(0)))
+            .filter(|(_, v)| *v > 0)
+            .collect();
+        Snapshot {
+            calls,
+            allocs: self.allocs - before.allocs,
+        }
+    }
+}
+
+/// Operations per measurement: a multiple of the graph's in-flight bound (8), so that a check
+/// made once per so many launches counts whole.
+const OPS: u64 = 64;
+
+/// The watchdog's period is 20 ms: this covers a few of its looks.
+const SETTLE: Duration = Duration::from_millis(100);
+
+/// Runs `op` OPS times, after a warm-up of as many, and returns the calling thread's counts for
+/// the measured ones. With `events_pending`, the warm-up runs while the stub's events report
+/// not complete, so that the watchdog keeps every operation queued, and the queue and the
+/// event pool reach the size the measured run needs: steady state, whatever the watchdog's
+/// timing (it empties the queue during the settle that follows).
+fn measure(stubs: &Stubs, events_pending: bool, mut op: impl FnMut(u32) -> handoff::Result<()>) -> Snapshot {
+    if events_pending {
+        stubs.set_event_query(NOT_READY);
+    }
+    for i in 0..OPS as u32 {
+        op(i).expect("warm-up");
+    }
+    stubs.set_event_query(0);
+    std::thread::sleep(SETTLE);
+    let before = stubs.snapshot();
+    for i in 0..OPS as u32 {
+        op(i).expect("measured operation");
+    }
+    let after = stubs.snapshot();
+    after.since(&before)
+}
+
+/// What [`OPS`] operations cost, in calls by name and in heap allocations (totals, so that a
+/// cost paid once per so many operations, or a buffer that grows now and then, counts exactly).
+struct Expected {
+    calls: &'static [(&'static str, u64)],
+    allocs: u64,
+}
+
+fn check(what: &str, got: &Snapshot, want: &Expected) -> Result<(), Failed> {
+    let per_op: Vec<String> = got
+        .calls
+        .iter()
+        .map(|(k, v)| format!("{k} {}", *v as f64 / OPS as f64))
+        .collect();
+    println!(
+        "{what}: per operation: {} heap allocations; calls: {}",
+        got.allocs as f64 / OPS as f64,
+        per_op.join(", ")
+    );
+    let want_calls: BTreeMap<String, u64> = want.calls.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+    if got.calls != want_calls || got.allocs != want.allocs {
+        return Err(format!(
+            "{what}: over {OPS} operations, expected calls {want_calls:?} and {} allocations, got \
+             {:?} and {}",
+            want.allocs, got.calls, got.allocs
+        )
+        .into());
+    }
+    Ok(())
+}
+
+fn device() -> Device {
+    Device::new(0).expect("the stub's device 0")
+}
+
+fn self_group(stubs: &Stubs, options: CommOptions, what: &str, want: &Expected) -> Result<(), Failed> {
+    let dev = device();
+    let comm = &Communicator::init_all_with(std::slice::from_ref(&dev), options)?[0];
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let got = measure(stubs, true, |_| {
+        group(|g| {
+            g.send(comm, &x, 0, &s)?;
+            g.recv(comm, &mut y, 0, &s)
+        })
+    });
+    check(what, &got, want)
+}
+
+/// A verified send+receive to oneself, on one stream.
+fn verified_self_group(stubs: &Stubs) -> Result<(), Failed> {
+    self_group(
+        stubs,
+        CommOptions::default(),
+        "verified self send+receive group",
+        &SELF_GROUP,
+    )
+}
+
+/// The same, unverified.
+fn unverified_self_group(stubs: &Stubs) -> Result<(), Failed> {
+    // SAFETY: one rank, whose send and receive are in one group: they match.
+    let options = unsafe { CommOptions::default().unverified() };
+    self_group(
+        stubs,
+        options,
+        "unverified self send+receive group",
+        &UNVERIFIED_SELF_GROUP,
+    )
+}
+
+/// Per group: the NCCL group itself (start, send, receive, end), and one tracking event
+/// recorded after it; the stream's capture state asked once; the thread's device asked once.
+/// Allocations: the group's lists, verification's, the engine's, an `Arc` per event and the
+/// watchdog's note (22.6 per group).
+const SELF_GROUP: Expected = Expected {
+    calls: &[
+        ("cudaEventRecord", OPS),
+        ("cudaGetDevice", OPS),
+        ("cudaStreamIsCapturing", OPS),
+        ("ncclGroupEnd", OPS),
+        ("ncclGroupStart", OPS),
+        ("ncclRecv", OPS),
+        ("ncclSend", OPS),
+    ],
+    allocs: 1445,
+};
+
+const UNVERIFIED_SELF_GROUP: Expected = Expected {
+    calls: SELF_GROUP.calls,
+    allocs: 1198,
+};
+
+/// A verified all_reduce over one rank.
+fn all_reduce(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let comm = &Communicator::init_all(std::slice::from_ref(&dev))?[0];
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let got = measure(stubs, true, |_| comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s));
+    check("verified all_reduce", &got, &ALL_REDUCE)
+}
+
+/// As a self group, with ncclAllReduce in place of the send and receive.
+const ALL_REDUCE: Expected = Expected {
+    calls: &[
+        ("cudaEventRecord", OPS),
+        ("cudaGetDevice", OPS),
+        ("cudaStreamIsCapturing", OPS),
+        ("ncclAllReduce", OPS),
+        ("ncclGroupEnd", OPS),
+        ("ncclGroupStart", OPS),
+    ],
+    allocs: 1647,
+};
+
+/// `kernels::produce`: one kernel writing one buffer.
+fn produce(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let s = Stream::new(&dev)?;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, 4)?;
+    let got = measure(stubs, false, |round| kernels::produce(&s, &mut x, round));
+    check("kernels::produce", &got, &PRODUCE)
+}
+
+/// The launch and one tracking event after it; the stream's capture state; the device, asked
+/// (and set only when it differs).
+const PRODUCE: Expected = Expected {
+    calls: &[
+        ("cudaEventRecord", OPS),
+        ("cudaGetDevice", OPS),
+        ("cudaLaunchKernel", OPS),
+        ("cudaStreamIsCapturing", OPS),
+    ],
+    allocs: 884,
+};
+
+/// A replay of a graph of one kernel.
+fn kernel_graph(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let s = Stream::new(&dev)?;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, 4)?;
+    let graph = Graph::capture(&s, |s| kernels::produce(s, &mut x, 1))?;
+    let got = measure(stubs, false, |_| graph.launch(&s));
+    check("graph launch (one kernel)", &got, &KERNEL_GRAPH)
+}
+
+/// The launch and one tracking event after it; the stream's capture state; the device.
+const KERNEL_GRAPH: Expected = Expected {
+    calls: &[
+        ("cudaEventRecord", OPS),
+        ("cudaGetDevice", OPS),
+        ("cudaGraphLaunch", OPS),
+        ("cudaStreamIsCapturing", OPS),
+    ],
+    allocs: 569,
+};
+
+/// A replay of a graph of one self send+receive group on the graph's own communicator.
+fn nccl_graph(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let comm = Communicator::init_all(std::slice::from_ref(&dev))?
+        .pop()
+        .expect("one rank");
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let graph = Graph::capture_with(&s, comm, |s, c| {
+        group(|g| {
+            g.send(c, &x, 0, s)?;
+            g.recv(c, &mut y, 0, s)
+        })
+    })?;
+    let got = measure(stubs, false, |_| graph.launch(&s));
+    check("graph launch (self send+receive)", &got, &NCCL_GRAPH)
+}
+
+/// The launch and one tracking event after it; the stream's capture state; the device; the
+/// in-flight replays' events.
+const NCCL_GRAPH: Expected = Expected {
+    calls: &[
+        ("cudaEventQuery", OPS),
+        ("cudaEventRecord", OPS),
+        ("cudaGetDevice", OPS),
+        ("cudaGraphLaunch", OPS),
+        ("cudaStreamIsCapturing", OPS),
+    ],
+    allocs: 762,
+};
+
+/// The watchdog's queries while [`OPS`] eager operations are queued and then seen complete.
+fn watchdog_queries(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let comm = &Communicator::init_all(std::slice::from_ref(&dev))?[0];
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let mut op = || comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s);
+    op()?;
+    std::thread::sleep(SETTLE);
+    // Queued while "running", then complete, then looked at: the watchdog's work for OPS
+    // operations, not counting this thread's own queries.
+    let all = |stubs: &Stubs| stubs.all("cudaEventQuery");
+    let mine = |stubs: &Stubs| stubs.snapshot().calls.get("cudaEventQuery").copied().unwrap_or(0);
+    let (all0, mine0) = (all(stubs), mine(stubs));
+    stubs.set_event_query(NOT_READY);
+    for _ in 0..OPS {
+        op()?;
+    }
+    std::thread::sleep(SETTLE);
+    stubs.set_event_query(0);
+    std::thread::sleep(SETTLE);
+    let watchdog = (all(stubs) - all0) - (mine(stubs) - mine0);
+    println!("watchdog: {watchdog} cudaEventQuery calls for {OPS} operations queued and completed");
+    if watchdog > WATCHDOG_QUERIES_AT_MOST {
+        return Err(format!(
+            "the watchdog made {watchdog} event queries for {OPS} queued operations (at most \
+             {WATCHDOG_QUERIES_AT_MOST}: it looks at the newest first)"
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// One query per queued operation (the watchdog drains the queue oldest first), and a few for
+/// the looks before.
+const WATCHDOG_QUERIES_AT_MOST: u64 = OPS + 16;
+
+fn main() {
+    let args = Arguments::from_args();
+    let (cudart, nccl) = match build_stubs() {
+        Ok(p) => p,
+        Err(e) => panic!("the stub libraries could not be built: {e}"),
+    };
+    // SAFETY: no other thread exists yet, and nothing has read the environment.
+    unsafe {
+        std::env::set_var("HANDOFF_CUDART_PATH", &cudart);
+        std::env::set_var("HANDOFF_NCCL_PATH", &nccl);
+    }
+    let stubs: &'static Stubs = Box::leak(Box::new(Stubs::open(&cudart, &nccl)));
+    let trial = |name: &str, f: fn(&Stubs) -> Result<(), Failed>| Trial::test(name, move || f(stubs));
+    let trials = vec![
+        trial("verified_self_group", verified_self_group),
+        trial("unverified_self_group", unverified_self_group),
+        trial("all_reduce", all_reduce),
+        trial("kernels_produce", produce),
+        trial("kernel_graph_launch", kernel_graph),
+        trial("nccl_graph_launch", nccl_graph),
+        trial("watchdog_queries", watchdog_queries),
+    ];
+    // One at a time: the stub's event state and the watchdog are shared by the whole process.
+    let mut args = args;
+    args.test_threads = Some(1);
+    let conclusion = libtest_mimic::run(&args, trials);
+    let _ = std::fs::remove_dir_all(cudart.parent().expect("folder"));
+    conclusion.exit()
+}

@@ -1,0 +1,117 @@
+/* A stub libcudart.so.13 for tests/hotpath.rs: every function the crate binds, each returning
+ * success at once and counting its calls (count.h). "Device memory" is host memory (malloc), so
+ * copies and fills really happen; streams remember whether they are being captured, so that
+ * cudaStreamIsCapturing and graph capture behave as CUDA's do for one thread. */
+#include <stdio.h>
+#include <stdlib.h>
+#include "count.h"
+
+typedef int err_t;
+enum { OK = 0, ERR_INVALID_VALUE = 1, ERR_INVALID_DEVICE = 101, ERR_NOT_READY = 600,
+       ERR_ILLEGAL_STATE = 401, ERR_CAPTURE_INVALIDATED = 901 };
+
+struct stream { int capturing; };
+typedef struct { unsigned x, y, z; } dim3;
+
+static int devices = 1;
+static __thread int current;
+static _Atomic int query_rc = OK;
+
+STUB_COUNT_FN(cudart)
+void cudart_stub_set_devices(int n) { devices = n; }
+/* What cudaEventQuery returns from now on (600: not ready). */
+void cudart_stub_set_event_query(int rc) { atomic_store(&query_rc, rc); }
+
+err_t cudaGetDeviceCount(int *n) { COUNT(); *n = devices; return OK; }
+err_t cudaGetDevice(int *d) { COUNT(); *d = current; return OK; }
+err_t cudaSetDevice(int d) {
+    COUNT();
+    if (d < 0 || d >= devices) return ERR_INVALID_DEVICE;
+    current = d;
+    return OK;
+}
+err_t cudaDeviceGetAttribute(int *v, int attr, int dev) { COUNT(); (void)attr; (void)dev; *v = 1; return OK; }
+err_t cudaGetDeviceProperties(char *prop, int dev) { COUNT(); (void)dev; strcpy(prop, "stub GPU"); return OK; }
+err_t cudaDeviceSynchronize(void) { COUNT(); return OK; }
+err_t cudaDeviceGetDefaultMemPool(void **pool, int dev) { COUNT(); (void)dev; *pool = (void *)0x1000; return OK; }
+err_t cudaMemPoolSetAttribute(void *pool, int attr, void *v) { COUNT(); (void)pool; (void)attr; (void)v; return OK; }
+err_t cudaDriverGetVersion(int *v) { COUNT(); *v = 13000; return OK; }
+err_t cudaRuntimeGetVersion(int *v) { COUNT(); *v = 13000; return OK; }
+const char *cudaGetErrorName(err_t e) { COUNT(); (void)e; return "cudaErrorStub"; }
+const char *cudaGetErrorString(err_t e) { COUNT(); (void)e; return "an error of the stub runtime"; }
+err_t cudaGetLastError(void) { COUNT(); return OK; }
+
+err_t cudaStreamCreateWithFlags(struct stream **s, unsigned flags) {
+    COUNT(); (void)flags;
+    *s = calloc(1, sizeof **s);
+    return *s ? OK : ERR_INVALID_VALUE;
+}
+err_t cudaStreamDestroy(struct stream *s) { COUNT(); free(s); return OK; }
+err_t cudaStreamSynchronize(struct stream *s) { COUNT(); return s && s->capturing ? ERR_CAPTURE_INVALIDATED : OK; }
+err_t cudaStreamQuery(struct stream *s) { COUNT(); (void)s; return OK; }
+err_t cudaStreamWaitEvent(struct stream *s, void *e, unsigned flags) { COUNT(); (void)s; (void)e; (void)flags; return OK; }
+err_t cudaStreamBeginCapture(struct stream *s, int mode) {
+    COUNT(); (void)mode;
+    if (!s || s->capturing) return ERR_ILLEGAL_STATE;
+    s->capturing = 1;
+    return OK;
+}
+err_t cudaStreamEndCapture(struct stream *s, void **graph) {
+    COUNT();
+    if (!s || !s->capturing) return ERR_ILLEGAL_STATE;
+    s->capturing = 0;
+    *graph = malloc(8);
+    return OK;
+}
+err_t cudaStreamIsCapturing(struct stream *s, int *status) { COUNT(); *status = s ? s->capturing : 0; return OK; }
+
+err_t cudaEventCreateWithFlags(void **e, unsigned flags) { COUNT(); (void)flags; *e = malloc(8); return OK; }
+err_t cudaEventDestroy(void *e) { COUNT(); free(e); return OK; }
+err_t cudaEventRecord(void *e, struct stream *s) { COUNT(); (void)e; (void)s; return OK; }
+err_t cudaEventQuery(void *e) { COUNT(); (void)e; return atomic_load(&query_rc); }
+err_t cudaEventSynchronize(void *e) { COUNT(); (void)e; return OK; }
+err_t cudaEventElapsedTime(float *ms, void *a, void *b) { COUNT(); (void)a; (void)b; *ms = 0; return OK; }
+
+err_t cudaMallocAsync(void **p, size_t n, struct stream *s) { COUNT(); (void)s; *p = malloc(n ? n : 1); return OK; }
+err_t cudaFreeAsync(void *p, struct stream *s) { COUNT(); (void)s; free(p); return OK; }
+err_t cudaMallocHost(void **p, size_t n) { COUNT(); *p = malloc(n ? n : 1); return OK; }
+err_t cudaFreeHost(void *p) { COUNT(); free(p); return OK; }
+err_t cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, struct stream *s) {
+    COUNT(); (void)kind;
+    if (!(s && s->capturing)) memmove(dst, src, n);
+    return OK;
+}
+err_t cudaMemcpyPeerAsync(void *dst, int dd, const void *src, int sd, size_t n, struct stream *s) {
+    COUNT(); (void)dd; (void)sd;
+    if (!(s && s->capturing)) memmove(dst, src, n);
+    return OK;
+}
+err_t cudaMemsetAsync(void *p, int v, size_t n, struct stream *s) {
+    COUNT();
+    if (!(s && s->capturing)) memset(p, v, n);
+    return OK;
+}
+
+err_t cudaLibraryLoadData(void **lib, const void *code, void *a, void *b, unsigned c, void *d, void *e, unsigned f) {
+    COUNT(); (void)code; (void)a; (void)b; (void)c; (void)d; (void)e; (void)f;
+    *lib = malloc(8);
+    return OK;
+}
+err_t cudaLibraryUnload(void *lib) { COUNT(); free(lib); return OK; }
+err_t cudaLibraryGetKernel(void **k, void *lib, const char *name) { COUNT(); (void)lib; (void)name; *k = malloc(8); return OK; }
+struct func_attrs { size_t shared, constant, local; int max_threads, regs, ptx, binary, cache_ca, max_dynamic_shared; };
+err_t cudaFuncGetAttributes(struct func_attrs *a, const void *f) {
+    COUNT(); (void)f;
+    a->max_threads = 1024;
+    a->max_dynamic_shared = 48 * 1024;
+    return OK;
+}
+err_t cudaLaunchKernel(const void *f, dim3 grid, dim3 block, void **args, size_t shared, struct stream *s) {
+    COUNT(); (void)f; (void)grid; (void)block; (void)args; (void)shared; (void)s;
+    return OK;
+}
+
+err_t cudaGraphInstantiateWithFlags(void **exec, void *g, unsigned long long flags) { COUNT(); (void)g; (void)flags; *exec = malloc(8); return OK; }
+err_t cudaGraphLaunch(void *exec, struct stream *s) { COUNT(); (void)exec; (void)s; return OK; }
+err_t cudaGraphExecDestroy(void *exec) { COUNT(); free(exec); return OK; }
+err_t cudaGraphDestroy(void *g) { COUNT(); free(g); return OK; }

@@ -1,0 +1,63 @@
+/* A stub libnccl.so.2 for tests/hotpath.rs: every function the crate binds, each returning
+ * ncclSuccess at once and counting its calls (count.h). Moves no data. */
+#include <stdio.h>
+#include <stdlib.h>
+#include "count.h"
+
+typedef int res_t;
+typedef struct { char internal[128]; } unique_id;
+struct comm { int nranks, rank; };
+
+STUB_COUNT_FN(nccl)
+
+res_t ncclGetVersion(int *v) { COUNT(); *v = 22803; return 0; }
+res_t ncclGetUniqueId(unique_id *id) { COUNT(); memset(id, 0, sizeof *id); return 0; }
+static res_t make(struct comm **c, int nranks, int rank) {
+    *c = calloc(1, sizeof **c);
+    (*c)->nranks = nranks;
+    (*c)->rank = rank;
+    return 0;
+}
+res_t ncclCommInitRankConfig(struct comm **c, int nranks, unique_id id, int rank, void *config) {
+    COUNT(); (void)id; (void)config;
+    return make(c, nranks, rank);
+}
+res_t ncclCommInitRank(struct comm **c, int nranks, unique_id id, int rank) { COUNT(); (void)id; return make(c, nranks, rank); }
+res_t ncclCommInitAll(struct comm **c, int n, const int *devs) {
+    COUNT(); (void)devs;
+    for (int i = 0; i < n; i++) make(&c[i], n, i);
+    return 0;
+}
+res_t ncclCommSplit(struct comm *c, int color, int key, struct comm **out, void *config) {
+    COUNT(); (void)color; (void)config;
+    return make(out, c->nranks, key < c->nranks ? key : 0);
+}
+res_t ncclCommFinalize(struct comm *c) { COUNT(); (void)c; return 0; }
+res_t ncclCommDestroy(struct comm *c) { COUNT(); free(c); return 0; }
+res_t ncclCommAbort(struct comm *c) { COUNT(); free(c); return 0; }
+res_t ncclCommGetAsyncError(struct comm *c, res_t *e) { COUNT(); (void)c; *e = 0; return 0; }
+res_t ncclCommCount(struct comm *c, int *n) { COUNT(); *n = c->nranks; return 0; }
+res_t ncclCommCuDevice(struct comm *c, int *d) { COUNT(); (void)c; *d = 0; return 0; }
+res_t ncclCommUserRank(struct comm *c, int *r) { COUNT(); *r = c->rank; return 0; }
+const char *ncclGetErrorString(res_t r) { COUNT(); (void)r; return "an error of the stub NCCL"; }
+const char *ncclGetLastError(struct comm *c) { COUNT(); (void)c; return ""; }
+res_t ncclGroupStart(void) { COUNT(); return 0; }
+res_t ncclGroupEnd(void) { COUNT(); return 0; }
+res_t ncclSend(const void *b, size_t n, int t, int peer, struct comm *c, void *s) { COUNT(); (void)b; (void)n; (void)t; (void)peer; (void)c; (void)s; return 0; }
+res_t ncclRecv(void *b, size_t n, int t, int peer, struct comm *c, void *s) { COUNT(); (void)b; (void)n; (void)t; (void)peer; (void)c; (void)s; return 0; }
+typedef const void *in_t;
+typedef void *out_t;
+res_t ncclAllReduce(in_t a, out_t b, size_t n, int t, int op, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)op; (void)c; (void)s; return 0; }
+res_t ncclBroadcast(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)root; (void)c; (void)s; return 0; }
+res_t ncclReduce(in_t a, out_t b, size_t n, int t, int op, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)op; (void)root; (void)c; (void)s; return 0; }
+res_t ncclAllGather(in_t a, out_t b, size_t n, int t, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)c; (void)s; return 0; }
+res_t ncclReduceScatter(in_t a, out_t b, size_t n, int t, int op, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)op; (void)c; (void)s; return 0; }
+res_t ncclAlltoAll(in_t a, out_t b, size_t n, int t, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)c; (void)s; return 0; }
+res_t ncclGather(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)root; (void)c; (void)s; return 0; }
+res_t ncclScatter(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)root; (void)c; (void)s; return 0; }
+res_t ncclRedOpCreatePreMulSum(int *op, void *scalar, int t, int residence, struct comm *c) {
+    COUNT(); (void)scalar; (void)t; (void)residence; (void)c;
+    *op = 5;
+    return 0;
+}
+res_t ncclRedOpDestroy(int op, struct comm *c) { COUNT(); (void)op; (void)c; return 0; }
