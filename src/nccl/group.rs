@@ -5,6 +5,8 @@ use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::time::Instant;
 
+use smallvec::{SmallVec, smallvec};
+
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, Cut, State, usable};
@@ -137,9 +139,9 @@ enum Posted {
 /// submits nothing. Operations may span several communicators (several GPUs of this process)
 /// and streams.
 pub struct Group<'a> {
-    ops: Vec<Op<'a>>,
-    pub(crate) colls: Vec<CollOp<'a>>,
-    order: Vec<Posted>,
+    ops: SmallVec<[Op<'a>; 2]>,
+    pub(crate) colls: SmallVec<[CollOp<'a>; 2]>,
+    order: SmallVec<[Posted; 4]>,
     /// NCCL's group state is per thread.
     _not_send: PhantomData<*const ()>,
 }
@@ -174,9 +176,9 @@ pub struct Group<'a> {
 /// aborted.
 pub fn group<'a, R>(f: impl FnOnce(&mut Group<'a>) -> Result<R>) -> Result<R> {
     let mut g = Group {
-        ops: Vec::new(),
-        colls: Vec::new(),
-        order: Vec::new(),
+        ops: SmallVec::new(),
+        colls: SmallVec::new(),
+        order: SmallVec::new(),
         _not_send: PhantomData,
     };
     let out = f(&mut g)?;
@@ -339,8 +341,8 @@ impl<'a> Group<'a> {
     }
 
     /// The communicators of the group, each once, in first-use order (few: a linear scan).
-    fn comms(&self) -> Vec<&'a Communicator> {
-        let mut comms: Vec<&Communicator> = Vec::new();
+    fn comms(&self) -> SmallVec<[&'a Communicator; 2]> {
+        let mut comms: SmallVec<[&Communicator; 2]> = SmallVec::new();
         for (c, _) in self.all() {
             if !comms.iter().any(|d| std::ptr::eq(*d, c)) {
                 comms.push(c);
@@ -426,24 +428,24 @@ impl<'a> Group<'a> {
                     }
                 )));
             };
-            let side = |from: &'a Communicator, to: usize, d: Dir| -> Vec<OpDesc> {
+            let side = |from: &'a Communicator, to: usize, d: Dir| {
                 self.queued()
-                    .filter(|&(c, p, e, _)| std::ptr::eq(c, from) && p == to && e == d)
+                    .filter(move |&(c, p, e, _)| std::ptr::eq(c, from) && p == to && e == d)
                     .map(|(.., desc)| desc)
-                    .collect()
             };
             // Both directions of the pair: my sends with its receives, its sends with mine.
             for (from, to, a, b) in [(comm, other, me, peer), (other, comm, peer, me)] {
-                let (sends, recvs) = (side(from, b, Dir::Send), side(to, a, Dir::Recv));
-                if sends != recvs {
-                    let list = |l: &[OpDesc]| l.iter().map(|d| d.describe()).collect::<Vec<_>>().join("; ");
+                if !side(from, b, Dir::Send).eq(side(to, a, Dir::Recv)) {
+                    let list = |l: &mut dyn Iterator<Item = OpDesc>| {
+                        l.map(|d| d.describe()).collect::<Vec<_>>().join("; ")
+                    };
                     return Err(Error::InvalidArgument(format!(
                         "rank {a}'s sends to rank {b} [{}] and rank {b}'s receives from rank {a} \
                          [{}], in the order NCCL queues them (collectives' parts included), must \
                          match one to one in the same group, or NCCL waits forever or writes past \
                          a receive",
-                        list(&sends),
-                        list(&recvs)
+                        list(&mut side(from, b, Dir::Send)),
+                        list(&mut side(to, a, Dir::Recv))
                     )));
                 }
             }
@@ -454,7 +456,7 @@ impl<'a> Group<'a> {
     /// Verification (on communicators that have it): every operation published to its peer,
     /// and its counterpart seen and compared, before anything reaches NCCL.
     fn verify(&self, comms: &[&'a Communicator]) -> Result<()> {
-        let mut pairs: Vec<PairOps<'_>> = Vec::new();
+        let mut pairs: SmallVec<[PairOps<'_>; 2]> = SmallVec::new();
         for (comm, peer, dir, desc) in self.queued() {
             let Some(boxes) = &comm.boxes else { continue };
             let i = match pairs
@@ -466,8 +468,8 @@ impl<'a> Group<'a> {
                     pairs.push(PairOps {
                         boxes,
                         peer,
-                        sends: Vec::new(),
-                        recvs: Vec::new(),
+                        sends: SmallVec::new(),
+                        recvs: SmallVec::new(),
                         local: peer == comm.rank() || comm.clique.is_some(),
                         timeout: comm.timeout(),
                     });
@@ -481,14 +483,14 @@ impl<'a> Group<'a> {
             };
             side.push(desc);
         }
-        let mut colls: Vec<CollOps<'_>> = Vec::new();
+        let mut colls: SmallVec<[CollOps<'_>; 1]> = SmallVec::new();
         for op in &self.colls {
             let Some(boxes) = &op.comm.boxes else { continue };
             match colls.iter_mut().find(|c| std::ptr::eq(c.boxes, boxes)) {
                 Some(c) => c.ops.push(op.desc),
                 None => colls.push(CollOps {
                     boxes,
-                    ops: vec![op.desc],
+                    ops: smallvec![op.desc],
                     local: op.comm.clique.is_some(),
                     timeout: op.comm.timeout(),
                 }),
@@ -542,7 +544,7 @@ impl<'a> Group<'a> {
                 access,
                 record: self.first_stream(comm),
             };
-        let mut uses: Vec<TrackedUse<'_>> = self
+        let mut uses: SmallVec<[TrackedUse<'_>; 4]> = self
             .ops
             .iter()
             .map(|o| use_of(o.comm, o.stream, o.tracked, o.access))
@@ -553,7 +555,7 @@ impl<'a> Group<'a> {
             }
             uses.push(use_of(c.comm, c.stream, c.recv.0, Access::Write));
         }
-        let keys: Vec<usize> = comms.iter().map(|c| c.key()).collect();
+        let keys: SmallVec<[usize; 2]> = comms.iter().map(|c| c.key()).collect();
         let r = engine::enqueue(
             &uses,
             engine::Work::Nccl { comms: &keys },
@@ -618,9 +620,9 @@ impl<'a> Group<'a> {
     /// The NCCL group itself, with every communicator's lock held so that the watchdog cannot
     /// abort one in the middle. Nothing reaches a stream before `ncclGroupEnd`.
     fn post(&self, comms: &[&'a Communicator]) -> Result<()> {
-        let mut states: Vec<std::sync::MutexGuard<'_, State>> =
+        let mut states: SmallVec<[std::sync::MutexGuard<'_, State>; 2]> =
             comms.iter().map(|c| c.shared.lock()).collect();
-        let mut raws = Vec::with_capacity(comms.len());
+        let mut raws: SmallVec<[_; 2]> = SmallVec::new();
         for s in &states {
             raws.push(usable(s)?);
         }
@@ -628,7 +630,7 @@ impl<'a> Group<'a> {
         let started = Instant::now();
         // PreMulSum operators, made before the group (a failure to make one inside it would
         // not stop NCCL launching the rest of the group), destroyed once it has ended.
-        let mut redops = Vec::with_capacity(self.colls.len());
+        let mut redops: SmallVec<[_; 2]> = SmallVec::new();
         for op in &self.colls {
             let Some(scalar) = &op.scalar else {
                 redops.push(None);

@@ -23,6 +23,8 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use smallvec::SmallVec;
+
 use mailbox::{BROKEN, RING, Region};
 use wire::{CollDesc, Dir, OpDesc, compare, compare_coll};
 
@@ -65,8 +67,8 @@ impl Mailboxes {
 pub(crate) struct PairOps<'a> {
     pub(crate) boxes: &'a Mailboxes,
     pub(crate) peer: usize,
-    pub(crate) sends: Vec<OpDesc>,
-    pub(crate) recvs: Vec<OpDesc>,
+    pub(crate) sends: SmallVec<[OpDesc; 4]>,
+    pub(crate) recvs: SmallVec<[OpDesc; 4]>,
     /// The peer's operations come from this same group (itself, or a rank of the same
     /// `init_all`): a missing counterpart is an error at once.
     pub(crate) local: bool,
@@ -78,7 +80,7 @@ pub(crate) struct PairOps<'a> {
 /// communicator must post the same ones in the same order.
 pub(crate) struct CollOps<'a> {
     pub(crate) boxes: &'a Mailboxes,
-    pub(crate) ops: Vec<CollDesc>,
+    pub(crate) ops: SmallVec<[CollDesc; 2]>,
     /// The other ranks' collectives come from this same group (ranks of one `init_all`).
     pub(crate) local: bool,
     pub(crate) timeout: Duration,
@@ -88,7 +90,7 @@ pub(crate) struct CollOps<'a> {
 struct CollDone {
     published: usize,
     /// Per peer.
-    checked: Vec<usize>,
+    checked: SmallVec<[usize; 8]>,
 }
 
 /// Publishes and checks what it can of one rank's collectives. Ok(true) if anything moved.
@@ -166,13 +168,14 @@ struct Done {
 /// each pair's timeout) for peers in other threads or processes. On success every operation
 /// may be posted to NCCL.
 pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(), Failure> {
-    let started = Instant::now();
-    let mut done = vec![Done::default(); pairs.len()];
-    let mut coll_done: Vec<CollDone> = colls
+    // Read the clock only once something has to wait: the peer has usually posted already.
+    let mut started: Option<Instant> = None;
+    let mut done: SmallVec<[Done; 2]> = SmallVec::from_elem(Done::default(), pairs.len());
+    let mut coll_done: SmallVec<[CollDone; 1]> = colls
         .iter()
         .map(|c| CollDone {
             published: 0,
-            checked: vec![0; c.boxes.regions.len()],
+            checked: SmallVec::from_elem(0, c.boxes.regions.len()),
         })
         .collect();
     let mut spins = 0u32;
@@ -209,6 +212,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
             continue;
         }
         // Stalled: waiting for a peer, or for a counterpart that will never come.
+        let started = *started.get_or_insert_with(Instant::now);
         for (p, d) in pairs.iter().zip(&done) {
             if d.checked == [p.sends.len(), p.recvs.len()] && d.published == d.checked {
                 continue;
@@ -363,7 +367,7 @@ mod tests {
     fn coll<'a>(boxes: &'a Mailboxes, ops: &[CollDesc]) -> CollOps<'a> {
         CollOps {
             boxes,
-            ops: ops.to_vec(),
+            ops: ops.into(),
             local: false,
             timeout: Duration::from_secs(5),
         }

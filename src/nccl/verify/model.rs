@@ -301,8 +301,8 @@ mod oracle {
                             pairs.push(PairOps {
                                 boxes: mine,
                                 peer,
-                                sends: Vec::new(),
-                                recvs: Vec::new(),
+                                sends: Default::default(),
+                                recvs: Default::default(),
                                 local: true,
                                 timeout: Duration::from_secs(5),
                             });
@@ -317,7 +317,7 @@ mod oracle {
             }
             colls.push(CollOps {
                 boxes: mine,
-                ops: coll_ops,
+                ops: coll_ops.into(),
                 local: true,
                 timeout: Duration::from_secs(5),
             });
