@@ -38,6 +38,10 @@ const PEER_WORDS: usize = (2 * RING_WORDS + 3).div_ceil(8) * 8;
 /// A collective's entry: tag, then [`CollDesc::encode`]'s three words.
 const COLL_WORDS: usize = 4;
 
+/// The most a checked counter reads as: no rank checks that many entries, and a peer that
+/// writes more still leaves `RING + checked` (the slots its owner may fill) in range.
+pub(crate) const MAX_CHECKED: u64 = u64::MAX - RING;
+
 /// A rank's status word: nothing wrong.
 pub(crate) const LIVE: u64 = 0;
 /// A rank's status word: its communicator broke (an error, a timeout, an abort).
@@ -210,13 +214,16 @@ fn check_mapping(path: &Path, at: *const u8, map_len: usize, len: usize) -> Resu
     Ok(())
 }
 
-/// What `fstat` must say of a peer's mailbox before it is mapped: a regular file (not a FIFO,
-/// whose open could block, nor a device), of this process's user `euid` (so nobody else can
+/// What `lstat` and `fstat` must say of a peer's mailbox before it is opened and mapped: a
+/// regular file (not a link, nor a FIFO, whose open could block, nor a device), of this process's user `euid` (so nobody else can
 /// change its size), writable by nobody else, of exactly `expected` bytes (a shorter file faults
 /// on access to the missing pages).
 fn check_peer_file(path: &Path, meta: &Metadata, euid: u32, expected: u64) -> Result<(), MailboxError> {
     let path = path.to_path_buf();
     let t = meta.file_type();
+    if t.is_symlink() {
+        return Err(MailboxError::Symlink { path });
+    }
     if !t.is_file() {
         let kind = if t.is_dir() {
             "a directory"
@@ -228,8 +235,6 @@ fn check_peer_file(path: &Path, meta: &Metadata, euid: u32, expected: u64) -> Re
             "a block device"
         } else if t.is_socket() {
             "a socket"
-        } else if t.is_symlink() {
-            "a symbolic link"
         } else {
             "not a file"
         };
@@ -415,6 +420,20 @@ impl Region {
         token: u64,
     ) -> Result<Region, MailboxError> {
         let len = words_for(world).ok_or(MailboxError::TooLarge { world })?;
+        let (euid, expected) = (geteuid(), (len * 8) as u64);
+        let open_error = |e: std::io::Error| MailboxError::Open {
+            path: path.to_path_buf(),
+            error: e.to_string(),
+        };
+        // Looked at before it is opened, since opening a device can act (a tape rewinds, a
+        // watchdog arms): anything but a mailbox-like file is refused unopened. The `fstat` of
+        // what was opened is the check that counts (the name may change in between).
+        check_peer_file(
+            path,
+            &std::fs::symlink_metadata(path).map_err(open_error)?,
+            euid,
+            expected,
+        )?;
         let file = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(O_NOFOLLOW | O_NONBLOCK | O_NOCTTY)
@@ -423,17 +442,14 @@ impl Region {
                 Some(ELOOP) => MailboxError::Symlink {
                     path: path.to_path_buf(),
                 },
-                _ => MailboxError::Open {
-                    path: path.to_path_buf(),
-                    error: e.to_string(),
-                },
+                _ => open_error(e),
             })?;
         let meta = file.metadata().map_err(|e| MailboxError::Io {
             what: "reading the status of",
             path: path.to_path_buf(),
             error: e.to_string(),
         })?;
-        check_peer_file(path, &meta, geteuid(), (len * 8) as u64)?;
+        check_peer_file(path, &meta, euid, expected)?;
         // SAFETY: a regular file of this user, writable by no other, of the size checked just
         // now: no one but a process of this user can truncate it while mapped (the crate's
         // documented trust limit), and every access goes through atomics. Mapped read-only, as
@@ -501,6 +517,10 @@ impl Region {
         self.block(peer) + 2 * RING_WORDS + if dir == Dir::Send { 0 } else { 1 }
     }
 
+    fn coll_checked_word(&self, peer: usize) -> usize {
+        self.block(peer) + 2 * RING_WORDS + 2
+    }
+
     fn coll_slot(&self, index: u64) -> usize {
         HEADER_WORDS + self.world * PEER_WORDS + (index % RING) as usize * COLL_WORDS
     }
@@ -520,23 +540,24 @@ impl Region {
     /// handoff wrote.
     pub(crate) fn read_coll(&self, index: u64) -> Option<Option<CollDesc>> {
         let at = self.coll_slot(index);
-        if self.word(at).load(Ordering::Acquire) != index + 1 {
+        if Some(self.word(at).load(Ordering::Acquire)) != index.checked_add(1) {
             return None;
         }
         let w = [1, 2, 3].map(|i| self.word(at + i).load(Ordering::Relaxed));
         Some(CollDesc::decode(w))
     }
 
-    /// How many of `peer`'s collectives the owner has checked.
+    /// How many of `peer`'s collectives the owner has checked, at most [`MAX_CHECKED`].
     pub(crate) fn coll_checked(&self, peer: usize) -> u64 {
-        self.word(self.block(peer) + 2 * RING_WORDS + 2)
+        self.word(self.coll_checked_word(peer))
             .load(Ordering::Acquire)
+            .min(MAX_CHECKED)
     }
 
     /// Records that the owner has checked `n` of `peer`'s collectives.
     pub(crate) fn set_coll_checked(&self, peer: usize, n: u64) {
         assert!(self.writable(), "a peer's mailbox is never written");
-        self.word(self.block(peer) + 2 * RING_WORDS + 2)
+        self.word(self.coll_checked_word(peer))
             .store(n, Ordering::Release);
     }
 
@@ -554,7 +575,7 @@ impl Region {
     /// The owner's operation number `index` with `peer`, once published.
     pub(crate) fn read(&self, peer: usize, dir: Dir, index: u64) -> Option<OpDesc> {
         let at = self.slot(peer, dir, index);
-        if self.word(at).load(Ordering::Acquire) != index + 1 {
+        if Some(self.word(at).load(Ordering::Acquire)) != index.checked_add(1) {
             return None;
         }
         let op = OpDesc::decode([
@@ -565,9 +586,11 @@ impl Region {
     }
 
     /// How many of `peer`'s operations in direction `dir` (its sends to the owner, or its
-    /// receives from the owner) the owner has checked.
+    /// receives from the owner) the owner has checked, at most [`MAX_CHECKED`].
     pub(crate) fn checked(&self, peer: usize, dir: Dir) -> u64 {
-        self.word(self.checked_word(peer, dir)).load(Ordering::Acquire)
+        self.word(self.checked_word(peer, dir))
+            .load(Ordering::Acquire)
+            .min(MAX_CHECKED)
     }
 
     /// Records that the owner has checked `n` of `peer`'s operations in direction `dir`.
@@ -603,6 +626,45 @@ impl Region {
         self.word(H_BACKLOG).load(Ordering::Relaxed) == 1 && now_ms.saturating_sub(beat) <= fresh_ms
     }
 }
+
+/// Where the reader looks, for tests that write a peer's region as a hostile owner would.
+#[cfg(test)]
+impl Region {
+    /// Words in the region (its whole mapping).
+    pub(super) fn words(&self) -> usize {
+        self.len
+    }
+
+    /// Stores `v` in word `i`, whatever it means.
+    pub(super) fn poke(&self, i: usize, v: u64) {
+        assert!(self.writable(), "a peer's mailbox is never written");
+        self.word(i).store(v, Ordering::Release);
+    }
+
+    /// The tag word of entry `index` with `peer` in `dir` ([`ENTRY_WORDS`] words).
+    pub(super) fn entry_at(&self, peer: usize, dir: Dir, index: u64) -> usize {
+        self.slot(peer, dir, index)
+    }
+
+    /// The tag word of collective `index` ([`COLL_WORDS`] words).
+    pub(super) fn coll_at(&self, index: u64) -> usize {
+        self.coll_slot(index)
+    }
+
+    /// The word counting `peer`'s operations in `dir` the owner checked.
+    pub(super) fn checked_at(&self, peer: usize, dir: Dir) -> usize {
+        self.checked_word(peer, dir)
+    }
+
+    /// The word counting `peer`'s collectives the owner checked.
+    pub(super) fn coll_checked_at(&self, peer: usize) -> usize {
+        self.coll_checked_word(peer)
+    }
+}
+
+/// Header words, for tests: status, heartbeat, backlog.
+#[cfg(test)]
+pub(super) const STATUS_AT: [usize; 3] = [H_STATUS, H_HEARTBEAT, H_BACKLOG];
 
 /// The folder for mailbox files: `/dev/shm` where it exists (memory, not disk), else the
 /// temporary folder.
@@ -790,6 +852,46 @@ mod tests {
             "{e:?}"
         );
         assert!(e.unwrap().to_string().contains("is a FIFO, not a regular file"));
+    }
+
+    #[test]
+    fn a_fifo_is_not_even_opened() {
+        // A writer waits in open(2) until the FIFO has a reader: opening it as one, however
+        // briefly, would let the writer through.
+        let path = scratch("fifo-writer");
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path that outlives the call.
+        assert_eq!(
+            unsafe { mkfifo(c.as_ptr(), 0o600) },
+            0,
+            "mkfifo {}",
+            path.display()
+        );
+        let writer = std::thread::spawn({
+            let path = path.clone();
+            move || std::fs::OpenOptions::new().write(true).open(path).map(drop)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let r = within_2s({
+            let path = path.clone();
+            move || Region::open_file(&path, 2, 1, 1).err()
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let let_through = writer.is_finished();
+        // Release the writer.
+        let reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(O_NONBLOCK)
+            .open(&path)
+            .unwrap();
+        writer.join().unwrap().unwrap();
+        drop(reader);
+        std::fs::remove_file(&path).unwrap();
+        assert!(
+            matches!(r, Some(Some(MailboxError::NotRegular { kind: "a FIFO", .. }))),
+            "{r:?}"
+        );
+        assert!(!let_through, "the FIFO was opened: its writer went through");
     }
 
     #[test]
