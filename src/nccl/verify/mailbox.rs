@@ -812,17 +812,33 @@ mod tests {
 
     #[test]
     fn a_mailbox_file_is_its_owners_alone_whatever_the_umask() {
-        for (mask, token) in [(0o000, 0x5a0), (0o002, 0x5a1), (0o277, 0x5a2)] {
-            // The mask is the process's: restored at once, so other tests see it only briefly
-            // (their files are created with explicit modes or are not mailboxes).
-            let before = umask(mask);
-            let made = Region::create_file(&std::env::temp_dir(), 2, 0, token);
-            umask(before);
-            let (_mine, path) = made.unwrap();
-            let mode = std::fs::metadata(&path).unwrap().mode() & 0o7777;
-            std::fs::remove_file(&path).unwrap();
-            assert_eq!(mode, 0o600, "created under umask {mask:03o}: mode {mode:o}");
+        // The umask is the process's: set in a child running only this test, so that no other
+        // test creates files under it.
+        const CHILD: &str = "HANDOFF_TEST_UMASK_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            for (mask, token) in [(0o000, 0x5a0), (0o002, 0x5a1), (0o277, 0x5a2)] {
+                umask(mask);
+                let (_mine, path) = Region::create_file(&std::env::temp_dir(), 2, 0, token).unwrap();
+                let mode = std::fs::metadata(&path).unwrap().mode() & 0o7777;
+                std::fs::remove_file(&path).unwrap();
+                assert_eq!(mode, 0o600, "created under umask {mask:03o}: mode {mode:o}");
+                println!("umask {mask:03o}: mode {mode:o}");
+            }
+            return;
         }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "nccl::verify::mailbox::tests::a_mailbox_file_is_its_owners_alone_whatever_the_umask",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        assert_eq!(text.matches(": mode 600").count(), 3, "{text}");
     }
 
     #[test]
