@@ -12,6 +12,16 @@
 //! - how many of `p`'s sends to this rank, and of `p`'s receives from it, this rank has checked.
 //!   A rank overwrites a slot only once its peer has checked the entry in it, so a reader never
 //!   sees a torn or overwritten entry.
+//!
+//! # Who can reach a mailbox
+//! A file is created 0600 (whatever the umask) under a name with a random token, and removed
+//! once every rank has mapped its peers'; until then, only processes of the same user and root
+//! can open it. A peer's file is opened only if `lstat` and then `fstat` say it is a regular
+//! file of this process's user, writable by nobody else, of exactly the expected size, and
+//! only without following a link or blocking. Whatever a peer then writes in its region is read
+//! as a value or nothing, never out of bounds ([`MAX_CHECKED`] bounds its counters). What stays
+//! trusted: the peers run handoff honestly (they can publish one operation and post another),
+//! and no process of this user truncates a mapped file (the next access would fault, SIGBUS).
 
 use std::fs::Metadata;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
