@@ -457,7 +457,7 @@ impl Communicator {
         if verified {
             match Region::create_file(&mailbox_dir(), world, rank, token) {
                 Ok(m) => mine = Some(m),
-                Err(e) => problem = e,
+                Err(e) => problem = e.to_string(),
             }
         }
         let path = mine
@@ -498,11 +498,7 @@ impl Communicator {
                 match Region::open_file(std::path::Path::new(&c.path), world, r, c.token) {
                     Ok(region) => regions.push((r, Arc::new(region))),
                     Err(e) => {
-                        problem = format!(
-                            "rank {rank} cannot map rank {r}'s mailbox ({e}): verification needs \
-                             every rank on one host (sharing /dev/shm); across hosts, create the \
-                             communicators with the unsafe CommOptions::unverified"
-                        );
+                        problem = format!("rank {rank} cannot map rank {r}'s mailbox: {e}");
                         break;
                     }
                 }

@@ -15,6 +15,8 @@
 //! their counterparts in the same group: they are checked within it, and a missing one is an
 //! error at once, never a wait.
 
+#[cfg(test)]
+mod hostile;
 pub(crate) mod mailbox;
 pub(crate) mod model;
 pub(crate) mod wire;
