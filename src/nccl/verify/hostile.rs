@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
 use super::mailbox::{MAX_CHECKED, RING, Region, STATUS_AT};
-use super::wire::{CARD_WORDS, Card, CollDesc, CollKind, Dir, NONE, OpDesc, check_cards};
+use super::wire::{CARD_WORDS, Card, CollDesc, CollKind, Dir, NONE, OpDesc, P2P, check_cards};
 use super::{CollOps, Failure, Mailboxes, PairOps, verify};
 
 /// Runs `test` over `cases` values of `strategy`, panicking with proptest's minimal failing
@@ -309,6 +309,7 @@ fn a_peer_that_rewrites_what_it_published_is_read_as_it_now_is() {
                         count,
                         dtype,
                         captured: false,
+                        part: P2P,
                     };
                     owner.publish(peer, dir(send), index, op);
                     let at = owner.entry_at(peer, dir(send), index);
@@ -378,6 +379,7 @@ fn a_peer_rewriting_entries_while_they_are_read_yields_only_what_it_wrote() {
                     count: counts[(r >> 8) as usize % 3],
                     dtype: dtypes[(r >> 16) as usize % 2],
                     captured: (r >> 24) & 1 == 1,
+                    part: (r >> 25) as u8 % 10,
                 };
                 let [c, d] = op.encode();
                 owner.poke(at + 1, c);
@@ -421,6 +423,7 @@ fn op(count: u64) -> OpDesc {
         count,
         dtype: 7,
         captured: false,
+        part: P2P,
     }
 }
 
@@ -506,7 +509,7 @@ fn verification_against_a_hostile_peer_ends_within_its_timeout() {
             };
             let c = CollOps {
                 boxes: &boxes,
-                ops: vec![coll; colls],
+                ops: smallvec::smallvec![coll; colls],
                 local: false,
                 timeout,
             };
