@@ -186,8 +186,11 @@ impl<T: Pod> DeviceBuffer<T> {
     /// stream it does not wrap, since it cannot know whether another thread is capturing it.
     ///
     /// # Errors
-    /// As [`Stream::from_cudarc`]; CUDA errors (the buffer is then dropped the handoff way).
+    /// [`Error::InvalidArgument`] for a buffer of zero-sized elements and a length above zero
+    /// (it has no memory for cudarc to own and free), and as [`Stream::from_cudarc`]; CUDA
+    /// errors (the buffer is then dropped the handoff way).
     pub fn into_cudarc(self, stream: &Arc<CudaStream>) -> Result<CudaSlice<T>> {
+        check_movable::<T>(self.len())?;
         check_context(stream.context(), self.device())?;
         check_handle(stream.cu_stream(), "the cudarc stream")?;
         if self.is_empty() {
@@ -197,7 +200,7 @@ impl<T: Pod> DeviceBuffer<T> {
         // SAFETY: the events are alive (borrowed from the tracker).
         let (ptr, len) = self.into_raw_parts(|e| unsafe { cu::event_synchronize(e.raw) })?;
         // SAFETY: a stream-ordered allocation of `len` elements of `T` (any bit pattern is a
-        // valid T), given up by handoff once every use of it has
+        // valid T, and `T` has a size: checked), given up by handoff once every use of it has
         // completed; the context allocates asynchronously (checked), so cudarc's free of it is
         // valid.
         let mut slice = unsafe { stream.upgrade_device_ptr::<T>(ptr as u64, len) };
@@ -208,5 +211,36 @@ impl<T: Pod> DeviceBuffer<T> {
             .check_err()
             .map_err(|e| cudarc_error("CudaSlice::device_ptr_mut", e))?;
         Ok(slice)
+    }
+}
+
+/// Refuses to hand cudarc `len > 0` elements of a zero-sized type: such a buffer owns no
+/// memory (its pointer is dangling), and cudarc would free that pointer when the slice drops
+/// (`cuMemFreeAsync` of an address it never allocated, an error that poisons its context).
+fn check_movable<T>(len: usize) -> Result<()> {
+    if std::mem::size_of::<T>() == 0 && len > 0 {
+        return Err(Error::InvalidArgument(format!(
+            "a buffer of {len} zero-sized elements ({}) owns no device memory for cudarc to \
+             free: keep it in handoff (or make the cudarc slice with the cudarc stream's \
+             null())",
+            std::any::type_name::<T>()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_sized_elements_are_not_handed_to_cudarc() {
+        match check_movable::<()>(3) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("3 zero-sized elements"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(check_movable::<()>(0).is_ok());
+        assert!(check_movable::<f32>(3).is_ok());
+        assert!(check_movable::<[u8; 0]>(usize::MAX).is_err());
     }
 }

@@ -44,6 +44,7 @@ fn main() {
             1,
             slice_moves_on_its_own_stream,
         ),
+        g.trial("zero_sized_elements_stay_in_handoff", 1, zero_sized_elements_stay),
     ]);
 }
 
@@ -98,6 +99,24 @@ fn slice_moves_on_its_own_stream() -> Result<(), Failed> {
     let on_b = wrap(&cb, &dev)?;
     let x = DeviceBuffer::from_cudarc(cb.clone_htod(&host)?, &on_b)?;
     assert_all_eq("x", &x.to_vec(&plain)?, |i| i as f32)
+}
+
+/// A buffer of zero-sized elements owns no memory: handing it to cudarc, which would free its
+/// dangling pointer, is refused; an empty one moves.
+fn zero_sized_elements_stay() -> Result<(), Failed> {
+    let (dev, _ctx, ca, _cb) = cudarc_streams()?;
+    let s = Stream::new(&dev)?;
+    let units = DeviceBuffer::<()>::zeros(&s, 5)?;
+    match units.into_cudarc(&ca) {
+        Err(handoff::Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("5 zero-sized elements gave {:?}", other.map(|s| s.len())).into()),
+    }
+    let empty = DeviceBuffer::<()>::zeros(&s, 0)?.into_cudarc(&ca)?;
+    if !empty.is_empty() {
+        return Err(format!("an empty buffer became a slice of {}", empty.len()).into());
+    }
+    ca.context().check_err()?;
+    Ok(())
 }
 
 fn round_trip() -> Result<(), Failed> {
