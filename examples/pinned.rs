@@ -2,7 +2,8 @@
 //! blocking (`copy_to_host` into a `HostBuffer`, then `read()` where the host needs it); then
 //! device-to-host copies of 4 B, 1 MiB and 256 MiB timed into pinned memory (`copy_to_host` +
 //! `read()`) against pageable memory (`View::to_vec`, which allocates a `Vec` and blocks), host
-//! wall time from the call to the data in hand, median of several repetitions.
+//! wall time from the call to the data in hand, median of several repetitions; last, the
+//! pinned memory the dropped buffers left in handoff's cache, given back to the system.
 //!
 //! Run: `cargo run --release --example pinned` (on a machine with a GPU; see README).
 
@@ -29,7 +30,25 @@ fn run() -> handoff::Result<()> {
     println!("GPU 0: {} ({count} visible)", dev.name()?);
     let stream = Stream::new(&dev)?;
     article_last_step(&dev, &stream)?;
-    measure(&dev, &stream)
+    measure(&dev, &stream)?;
+    release(&dev, &stream)
+}
+
+/// Dropped host buffers leave their pinned memory cached for the next ones (freeing it would
+/// synchronise the device); once the GPU work is done, it is given back.
+fn release(dev: &Device, stream: &Stream) -> handoff::Result<()> {
+    let cached = handoff::host::cached_bytes(dev);
+    stream.synchronize()?;
+    let freed = handoff::host::release_cached(dev)?;
+    println!();
+    println!("pinned memory cached by dropped buffers: {cached} bytes; released: {freed} bytes");
+    if freed < 256 << 20 || handoff::host::cached_bytes(dev) != 0 {
+        return Err(handoff::Error::InvalidArgument(format!(
+            "released {freed} bytes, {} still cached: the 256 MiB buffer should have been",
+            handoff::host::cached_bytes(dev)
+        )));
+    }
+    Ok(())
 }
 
 /// Kernel A writes x, kernel B computes y = 2x, and y goes to the host, all queued at once; the

@@ -105,10 +105,10 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 
     /// A buffer holding a copy of `data`. Blocks until the copy has completed, so `data` may be
-    /// reused as soon as this returns.
+    /// reused as soon as this returns; see [`ViewMut::copy_from_slice`](crate::ViewMut::copy_from_slice).
     ///
     /// # Errors
-    /// As [`DeviceBuffer::zeros`].
+    /// As [`DeviceBuffer::zeros`] and [`ViewMut::copy_from_slice`](crate::ViewMut::copy_from_slice).
     pub fn from_slice(stream: &Stream, data: &[T]) -> Result<Self> {
         let mut buf = Self::alloc(stream, data.len())?;
         buf.copy_from_slice(stream, data)?;
@@ -124,11 +124,11 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 
     /// Copies `data` into the buffer, on `stream`, after every earlier use; blocks until the
-    /// copy has completed, so `data` may be reused as soon as this returns.
+    /// copy has completed, so `data` may be reused as soon as this returns. See
+    /// [`ViewMut::copy_from_slice`](crate::ViewMut::copy_from_slice).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if the lengths differ or `stream` is on another device; CUDA
-    /// errors.
+    /// As [`ViewMut::copy_from_slice`](crate::ViewMut::copy_from_slice).
     pub fn copy_from_slice(&mut self, stream: &Stream, data: &[T]) -> Result<()> {
         self.view_mut().copy_from_slice(stream, data)
     }

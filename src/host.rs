@@ -19,7 +19,8 @@
 //! | the [`HostRef`] it returns | a copy into the buffer queued meanwhile | impossible: a copy into it takes `&mut HostBuffer` |
 //! | [`HostBuffer::write`] (`&mut self`) | any copy into or out of it queued earlier | `write` waits for every pending use |
 //! | the [`HostMut`] it returns | any copy queued meanwhile | impossible: every copy borrows the buffer |
-//! | drop, [`HostBuffer::free`] | any copy queued earlier | waits for every pending use, then frees |
+//! | drop | any copy queued earlier | the memory goes to its device's cache with those copies' events, without blocking; no buffer takes it before they complete, and [`release_cached`] waits for them before freeing it |
+//! | [`HostBuffer::free`] | any copy queued earlier | waits for every pending use, then caches the memory |
 //!
 //! Copies out of the buffer (`&HostBuffer`) may run while the host reads it: both only read.
 //! A copy into or out of it borrows the buffer only for the call; tracking, not the borrow,
@@ -28,15 +29,22 @@
 //! A buffer is bound to one [`Device`]: its copies go on that device's streams (a stream of
 //! another device is [`Error::InvalidArgument`]).
 //!
-//! # Cost
+//! # Cost, and the cache
 //! Pinned memory cannot be paged out: it is taken from the memory the operating system can use
-//! for everything else, and allocating it (`cudaMallocHost`) is slow (it maps and locks every
-//! page). Allocate host buffers once and reuse them; keep large ones few. Dropping one blocks
-//! until the copies that use it are done (`cudaFreeHost` cannot be ordered on a stream).
+//! for everything else. Allocating it (`cudaMallocHost`) is slow (it maps and locks every page),
+//! and freeing it (`cudaFreeHost`) waits for the whole device to be idle, holding up other
+//! threads' CUDA calls meanwhile: one thread's drop would stall another's copies behind
+//! unrelated kernels. So handoff caches it, as PyTorch does: dropping a buffer hands its memory,
+//! rounded up to a power of two (at least 512 bytes), to a per-device cache, and a new buffer of
+//! that size class on the device reuses it once every copy that used it has completed (asked
+//! without blocking; until then a new allocation is made). Only [`release_cached`] gives cached
+//! memory back to the system (it blocks, and synchronises the device); [`cached_bytes`] says how
+//! much is held. Allocate large buffers once and reuse them; call [`release_cached`] when a
+//! phase that used much pinned memory is over and the device is idle.
 
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use bytemuck::Pod;
 
@@ -48,6 +56,9 @@ use crate::result as cu;
 use crate::stream::{Stream, check_poison};
 use crate::tracking::{Access, StreamId};
 use crate::view::{CopyPath, View, ViewMut, check_len, tracked_copy};
+
+mod pool;
+use pool::{Block, Pool};
 
 /// `len` elements of `T` in page-locked host memory, bound to one device; see the
 /// [module docs](self) for the rules.
@@ -69,6 +80,9 @@ use crate::view::{CopyPath, View, ViewMut, check_len, tracked_copy};
 pub struct HostBuffer<T: Pod> {
     ptr: *mut T,
     len: usize,
+    /// The bytes of the cached block `ptr` points to (a size class); 0 when the buffer owns no
+    /// memory (no elements, elements of no size, or given back already).
+    capacity: usize,
     tracked: Tracked,
     /// The last write of the device memory that the latest copy into this buffer read: a
     /// receive there that an NCCL abort cut short makes the data read here partial, which
@@ -112,25 +126,39 @@ fn wait_all(events: &[Arc<PooledEvent>]) -> Result<()> {
 }
 
 impl<T: Pod> HostBuffer<T> {
-    /// Allocates `len` elements of pinned memory without initialising them.
+    /// Allocates `len` elements of pinned memory without initialising them: a cached block of
+    /// the size class whose copies have all completed, or a new one.
     fn alloc(device: &Device, len: usize) -> Result<Self> {
         let bytes = byte_len::<T>(len)?;
-        // Length 0 until the memory exists, so that an early return frees nothing.
+        // Length 0 and no block until the memory exists, so that an early return gives back
+        // nothing.
         let mut buf = HostBuffer {
             ptr: std::ptr::NonNull::<T>::dangling().as_ptr(),
             len: 0,
+            capacity: 0,
             tracked: Tracked::new_host(device),
             filled_from: None,
             _marker: PhantomData,
         };
         if bytes > 0 {
-            // The allocation belongs to the context of the current device (and, with unified
-            // addressing, every device can use it).
-            device.set_current()?;
-            let ptr = cu::malloc_host(bytes)?.cast::<T>();
+            let class = pool::class(bytes);
+            // SAFETY: the events are alive (the pool owns them); a query does not block.
+            let cached = pool_of(device, |p| {
+                p.take(class, |e| unsafe { cu::event_query(e.raw) }.unwrap_or(false))
+            });
+            let ptr = match cached {
+                Some(block) => block.addr as *mut T,
+                None => {
+                    // The allocation belongs to the context of the current device (and, with
+                    // unified addressing, every device can use it).
+                    device.set_current()?;
+                    cu::malloc_host(class)?.cast::<T>()
+                }
+            };
             if !ptr.is_aligned() {
-                // SAFETY: fresh from malloc_host; nothing uses it.
-                let _ = unsafe { cu::free_host(ptr.cast()) };
+                // Idle and unused: cached for a type it suits (cudaMallocHost aligns to pages,
+                // so this is not expected).
+                give_back(device, ptr as usize, class, Vec::new());
                 return Err(Error::InvalidArgument(format!(
                     "cudaMallocHost returned memory not aligned for {} ({} bytes)",
                     std::any::type_name::<T>(),
@@ -138,6 +166,7 @@ impl<T: Pod> HostBuffer<T> {
                 )));
             }
             buf.ptr = ptr;
+            buf.capacity = class;
         }
         buf.len = len;
         Ok(buf)
@@ -269,39 +298,87 @@ impl<T: Pod> HostBuffer<T> {
         src.into().copy_to_host(self, stream)
     }
 
-    /// Frees the memory once every copy that uses it has completed (the host blocks until
-    /// then), reporting errors that `Drop` has to swallow.
+    /// Gives the memory back to its device's cache once every copy that uses it has completed
+    /// (the host blocks until then), reporting those copies' errors, which a drop leaves
+    /// unreported (it does not wait).
     ///
     /// # Errors
-    /// CUDA errors. The memory is then leaked rather than freed while it may be in use.
+    /// CUDA errors. The memory is then leaked rather than reused while it may be in use.
     pub fn free(mut self) -> Result<()> {
-        let r = self.release();
-        // Released (or deliberately leaked): `Drop` must not free again.
-        self.len = 0;
-        r
-    }
-
-    fn release(&mut self) -> Result<()> {
-        // Every pending use, not only those a write would wait for on some stream: the host
-        // frees, and a free cannot be queued behind them on the GPU.
         let pending = self.tracked.lock().retire();
-        if self.byte_len() == 0 {
-            return Ok(());
+        let waited = wait_all(&pending);
+        if waited.is_ok() && self.capacity > 0 {
+            give_back(self.device(), self.ptr as usize, self.capacity, Vec::new());
         }
-        // On error, return before the free: the memory leaks instead of being reused while a
-        // copy may still use it.
-        wait_all(&pending)?;
-        // SAFETY: the pointer came from malloc_host; every copy that used it has completed, and
-        // no other can be queued (`&mut self`, in `free` or `drop`).
-        unsafe { cu::free_host(self.ptr.cast()) }
+        // Given back (or deliberately leaked): `Drop` must not give it again.
+        self.capacity = 0;
+        waited
     }
 }
 
 impl<T: Pod> Drop for HostBuffer<T> {
     fn drop(&mut self) {
-        // Errors leak the memory (see `release`); `free` reports them.
-        let _ = self.release();
+        // Retired under the tracker's lock, so no use is recorded after the events are taken.
+        let pending = self.tracked.lock().retire();
+        if self.capacity > 0 {
+            give_back(self.device(), self.ptr as usize, self.capacity, pending);
+        }
     }
+}
+
+/// Each device's cache of pinned memory, by ordinal: every [`Device`] of one ordinal shares the
+/// primary context the memory was pinned in. Never freed but by [`release_cached`].
+fn pool_of<R>(device: &Device, f: impl FnOnce(&mut Pool<Arc<PooledEvent>>) -> R) -> R {
+    type Pools = Vec<(usize, Pool<Arc<PooledEvent>>)>;
+    static POOLS: Mutex<Pools> = Mutex::new(Vec::new());
+    // Each method leaves the pool whole, so a poisoned lock is still usable.
+    let mut pools: MutexGuard<'_, Pools> = POOLS.lock().unwrap_or_else(|p| p.into_inner());
+    let ordinal = device.ordinal();
+    let i = match pools.iter().position(|(o, _)| *o == ordinal) {
+        Some(i) => i,
+        None => {
+            pools.push((ordinal, Pool::default()));
+            pools.len() - 1
+        }
+    };
+    f(&mut pools[i].1)
+}
+
+/// Caches the block at `addr` of `bytes`, used by no buffer any more, with the events of the
+/// copies that may still use it.
+fn give_back(device: &Device, addr: usize, bytes: usize, pending: Vec<Arc<PooledEvent>>) {
+    pool_of(device, |p| p.give(Block { addr, bytes, pending }));
+}
+
+/// The bytes of pinned memory that dropped [`HostBuffer`]s of `device`'s ordinal left in its
+/// cache, for new buffers to reuse.
+pub fn cached_bytes(device: &Device) -> usize {
+    pool_of(device, |p| p.bytes())
+}
+
+/// Frees the pinned memory cached for `device`'s ordinal (see the [module docs](self)), once
+/// the copies that may still use each block have completed; returns the bytes freed. Blocks:
+/// `cudaFreeHost` waits for the whole device to be idle. Buffers still alive are untouched.
+///
+/// # Errors
+/// CUDA errors (the first one; a block whose copies could not be waited for, or whose free
+/// failed, is leaked rather than freed while it may be in use).
+pub fn release_cached(device: &Device) -> Result<usize> {
+    device.set_current()?;
+    let blocks = pool_of(device, Pool::drain);
+    let (mut freed, mut first_error) = (0, None);
+    for b in blocks {
+        // SAFETY: the block came from malloc_host and no buffer uses it; every copy that used
+        // it has completed (waited for first).
+        let r = wait_all(&b.pending).and_then(|()| unsafe { cu::free_host(b.addr as *mut std::ffi::c_void) });
+        match r {
+            Ok(()) => freed += b.bytes,
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    first_error.map_or(Ok(freed), Err)
 }
 
 /// A [`HostBuffer`]'s contents, read on the host: from [`HostBuffer::read`], which waited for

@@ -14,11 +14,12 @@
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
+use std::sync::Arc;
 
 use bytemuck::Pod;
 
 use crate::buffer::DeviceBuffer;
-use crate::device::Device;
+use crate::device::{Device, PooledEvent};
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::result as cu;
@@ -154,11 +155,14 @@ impl<'a, T: Pod> View<'a, T> {
     }
 
     /// Copies the view to a new host vector, on `stream`, after the last write to its buffer.
-    /// Blocks until the copy has completed; never forever behind an NCCL receive (see
-    /// [`Stream::synchronize`]).
+    /// Blocks until the copy has completed (waiting for its own event, as
+    /// [`ViewMut::copy_from_slice`] does); never forever behind an NCCL receive (see
+    /// [`Stream::synchronize`]). On an error the vector's memory is leaked, never freed while
+    /// the copy may write it.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `stream` is on another device; CUDA errors, including a
+    /// [`Error::InvalidArgument`] if `stream` is on another device; [`Error::Capture`] while a
+    /// graph is being captured on `stream` (nothing is copied); CUDA errors, including a
     /// fault in a kernel that wrote the buffer; [`Error::CommunicatorUnusable`] when the last
     /// write was an NCCL receive cut short by its communicator's abort.
     pub fn to_vec(&self, stream: &Stream) -> Result<Vec<T>> {
@@ -168,25 +172,24 @@ impl<'a, T: Pod> View<'a, T> {
         let dst = out.as_mut_ptr().cast::<c_void>();
         let written_by = self.tracked.lock().last_write().cloned();
         // A graph would write the vector at every replay, long after it is returned.
-        let work = engine::Work::Uncapturable {
-            what: "copying to a host vector",
-        };
-        let queued = stream.enqueue_work(&[(self.tracked, Access::Read)], work, |s| {
-            if bytes == 0 {
-                return Ok(());
-            }
-            // SAFETY: `dst` has capacity for `bytes` bytes and stays allocated until the copy
-            // completes (below; on failure it is leaked); the stream waits for the last write.
-            unsafe { cu::memcpy_async(dst, src, bytes, cudaMemcpyKind::cudaMemcpyDeviceToHost, s) }
-        });
-        if let Err(e) = queued {
-            // The copy may have been queued before the error (a failed recording whose
-            // fallback wait did not hold): never free memory it may still write.
-            std::mem::forget(out);
-            return Err(e);
-        }
-        if let Err(e) = stream.synchronize_raw() {
-            // The copy may still write into `out` later: never free that memory.
+        let copied = host_copy(
+            stream,
+            self.tracked,
+            Access::Read,
+            "copying to a host vector",
+            |s| {
+                if bytes == 0 {
+                    return Ok(());
+                }
+                // SAFETY: `dst` has capacity for `bytes` bytes and stays allocated until the copy
+                // can no longer write it (`host_copy` returns only then; on an error, `out` is
+                // leaked); the stream waits for the last write.
+                unsafe { cu::memcpy_async(dst, src, bytes, cudaMemcpyKind::cudaMemcpyDeviceToHost, s) }
+            },
+        );
+        if let Err(e) = copied {
+            // Perhaps partly written: never read as `T`s. Leaked rather than freed, so that
+            // even a copy whose end could not be told (see `host_copy`) writes no freed memory.
             std::mem::forget(out);
             return Err(e);
         }
@@ -323,36 +326,44 @@ impl<'a, T: Pod> ViewMut<'a, T> {
     }
 
     /// Copies `data` into the view, on `stream`, after every earlier use; blocks until the copy
-    /// has completed, so `data` may be reused as soon as this returns.
+    /// has completed, so `data` may be reused as soon as this returns, even when it is pinned
+    /// (a [`crate::HostBuffer`]'s contents). The host waits for the copy's own event, so a graph
+    /// capture another thread begins on `stream` meanwhile changes nothing.
+    ///
+    /// Never returns while the copy may still read `data`: should CUDA fail, for about a minute,
+    /// to say either that the copy is done or that the device has stopped (one of its sticky
+    /// errors), the process is aborted instead.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if the lengths differ or `stream` is on another device; CUDA
+    /// [`Error::InvalidArgument`] if the lengths differ or `stream` is on another device;
+    /// [`Error::Capture`] while a graph is being captured on `stream` (nothing is copied); CUDA
     /// errors.
     pub fn copy_from_slice(&mut self, stream: &Stream, data: &[T]) -> Result<()> {
         check_len(self.len, data.len(), "the host slice")?;
         let (dst, bytes) = (self.ptr.cast::<c_void>(), self.byte_len());
         // A graph would read `data` at every replay, long after this borrow ends.
-        let work = engine::Work::Uncapturable {
-            what: "copying from a host slice",
-        };
-        stream.enqueue_work(&[(self.tracked, Access::Write)], work, |s| {
-            if bytes == 0 {
-                return Ok(());
-            }
-            // SAFETY: `dst` holds `bytes` bytes; `data` is borrowed for the whole call and the
-            // host waits below for the copy to finish, so the source outlives the copy.
-            unsafe {
-                cu::memcpy_async(
-                    dst,
-                    data.as_ptr().cast(),
-                    bytes,
-                    cudaMemcpyKind::cudaMemcpyHostToDevice,
-                    s,
-                )
-            }
-        })?;
-        // The copy reads `data`, which the caller may reuse once this returns.
-        stream.synchronize_raw()
+        host_copy(
+            stream,
+            self.tracked,
+            Access::Write,
+            "copying from a host slice",
+            |s| {
+                if bytes == 0 {
+                    return Ok(());
+                }
+                // SAFETY: `dst` holds `bytes` bytes; `data` is borrowed for the whole call, and
+                // `host_copy` returns only once the copy can no longer read it.
+                unsafe {
+                    cu::memcpy_async(
+                        dst,
+                        data.as_ptr().cast(),
+                        bytes,
+                        cudaMemcpyKind::cudaMemcpyHostToDevice,
+                        s,
+                    )
+                }
+            },
+        )
     }
 
     /// Copies `src` into this view on `stream` (of this view's device), after the last write to
@@ -451,6 +462,137 @@ pub(crate) unsafe fn tracked_copy(
         },
         |_, _, _| {},
     )
+}
+
+/// Queues `copy`, a copy between device memory `tracked` tracks (used as `access`) and host
+/// memory that the caller lends only for this call (a slice, perhaps pinned, or a vector's
+/// spare capacity), as one tracked operation on `stream`, refused in a graph capture as `what`;
+/// then blocks until the copy can no longer touch that host memory.
+///
+/// The wait is on the event the engine recorded after this copy, under the stream's order: a
+/// graph capture that another thread begins on the stream afterwards changes nothing about it
+/// (a stream synchronize would then fail at once, with the copy still queued). If the engine
+/// could record no event, it has already waited for the stream under that order; if that wait
+/// failed too, the stream itself is polled. See [`wait_for_copy`] for when the wait ends.
+fn host_copy(
+    stream: &Stream,
+    tracked: &Tracked,
+    access: Access,
+    what: &str,
+    copy: impl FnOnce(crate::sys::cudart::cudaStream_t) -> Result<()>,
+) -> Result<()> {
+    let uses = [TrackedUse::on(stream, tracked, access)];
+    engine::check_devices(&uses)?;
+    let mut after: Option<Arc<PooledEvent>> = None;
+    let mut submitted = false;
+    let queued = engine::enqueue(
+        &uses,
+        engine::Work::Uncapturable { what },
+        |_| {
+            submitted = true;
+            copy(stream.as_raw())
+        },
+        |_, event, _| after = Some(event.clone()),
+    );
+    let waited = match (&after, submitted) {
+        (Some(e), _) => wait_for_copy(
+            // SAFETY: the event is kept alive by the Arc.
+            || unsafe { cu::event_synchronize(e.raw) },
+            // SAFETY: as above.
+            || unsafe { cu::event_query(e.raw) },
+            pause,
+        ),
+        (None, true) => wait_for_copy(|| stream.synchronize_raw(), || stream.is_idle(), pause),
+        // Refused before anything was queued.
+        (None, false) => Waited::Done,
+    };
+    match waited {
+        Waited::Done => queued,
+        Waited::Stopped(e) => queued.and(Err(e)),
+        Waited::Unknown(e) => {
+            // Returning could let the caller reuse or free memory that the copy engine may
+            // still read or write: a data race, or a use after free. Nothing safe is left.
+            eprintln!(
+                "handoff: cannot tell whether a copy between the GPU and host memory lent to \
+                 {what} has finished ({e}); aborting rather than returning while it may still \
+                 use that memory"
+            );
+            std::process::abort()
+        }
+    }
+}
+
+/// How a wait for a copy ended.
+#[derive(Debug, PartialEq)]
+enum Waited {
+    /// The copy has completed (or was never queued).
+    Done,
+    /// CUDA reported one of its sticky errors: no work of the context runs any more, this
+    /// copy included.
+    Stopped(Error),
+    /// CUDA kept failing to answer, without a sticky error: whether the copy still runs is
+    /// unknown.
+    Unknown(Error),
+}
+
+/// How many answers in a row that are errors, but not sticky ones, [`wait_for_copy`] takes
+/// before it gives up: with [`pause`]'s back-off, about a minute.
+const PATIENCE: u32 = 6_000;
+
+/// Waits with `sync` (blocking) for a copy, then, if that fails without a sticky error,
+/// polls `query` (true once complete), calling `pause` with the number of polls so far between
+/// polls, until the copy is known complete or stopped (a sticky error). Pending answers wait on
+/// for as long as the GPU takes, as any stream synchronize does; errors that are not sticky
+/// (a capture elsewhere forbidding the call, say) are retried [`PATIENCE`] times in a row.
+fn wait_for_copy(
+    sync: impl FnOnce() -> Result<()>,
+    mut query: impl FnMut() -> Result<bool>,
+    mut pause: impl FnMut(u32),
+) -> Waited {
+    match sync() {
+        Ok(()) => return Waited::Done,
+        Err(e) if stops_all_work(&e) => return Waited::Stopped(e),
+        Err(_) => {}
+    }
+    let (mut polls, mut failures) = (0u32, 0u32);
+    loop {
+        pause(polls);
+        polls = polls.saturating_add(1);
+        match query() {
+            Ok(true) => return Waited::Done,
+            Ok(false) => failures = 0,
+            Err(e) if stops_all_work(&e) => return Waited::Stopped(e),
+            Err(e) => {
+                failures += 1;
+                if failures >= PATIENCE {
+                    return Waited::Unknown(e);
+                }
+            }
+        }
+    }
+}
+
+/// Sleeps between polls for [`pause_micros`].
+fn pause(polls: u32) {
+    std::thread::sleep(std::time::Duration::from_micros(pause_micros(polls)));
+}
+
+/// The pause before poll `polls + 1`: 50 µs, doubling up to 10 ms.
+fn pause_micros(polls: u32) -> u64 {
+    (50u64 << polls.min(8)).min(10_000)
+}
+
+/// CUDA's sticky errors: each leaves "the process in an inconsistent state and any further
+/// CUDA work will return the same error" (driver_types.h, CUDA 13.0): cudaErrorContained
+/// (226), IllegalAddress (700), LaunchTimeout (702), Assert (710), HardwareStackError (714),
+/// IllegalInstruction (715), MisalignedAddress (716), InvalidAddressSpace (717), InvalidPc
+/// (718), LaunchFailure (719), TensorMemoryLeak (721), MpsClientTerminated (810),
+/// ExternalDevice (911). The context's queues are stopped: no copy queued there runs on.
+const STICKY: [i32; 13] = [226, 700, 702, 710, 714, 715, 716, 717, 718, 719, 721, 810, 911];
+
+/// Whether `e` is one of [`STICKY`].
+fn stops_all_work(e: &Error) -> bool {
+    matches!(e, Error::Cuda { code, .. } if STICKY.contains(code))
 }
 
 pub(crate) fn check_len(len: usize, other: usize, what: &str) -> Result<()> {
@@ -565,6 +707,99 @@ impl<T: Pod> DeviceBuffer<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn cuda(code: i32) -> Error {
+        Error::Cuda {
+            call: "cudaEventSynchronize",
+            code,
+            name: String::new(),
+            message: String::new(),
+        }
+    }
+
+    /// cudaErrorStreamCaptureUnsupported: what a stream synchronize returns at once when a
+    /// capture began on the stream after the copy was queued. Not sticky.
+    const CAPTURE_UNSUPPORTED: i32 = 900;
+
+    /// Runs `wait_for_copy` with a sync answer and a list of query answers (the last repeated),
+    /// counting the polls.
+    fn wait_with(sync: Result<()>, answers: Vec<Result<bool>>) -> (Waited, usize) {
+        let mut next = 0usize;
+        let mut polls = 0usize;
+        let waited = wait_for_copy(
+            || sync,
+            || {
+                let a = answers[next.min(answers.len() - 1)].clone();
+                next += 1;
+                a
+            },
+            |_| polls += 1,
+        );
+        (waited, polls)
+    }
+
+    #[test]
+    fn a_wait_that_succeeds_asks_nothing_more() {
+        assert_eq!(wait_with(Ok(()), vec![Ok(false)]), (Waited::Done, 0));
+    }
+
+    #[test]
+    fn a_failed_wait_never_ends_while_the_copy_is_pending() {
+        // The hole this closes: a stream synchronize that fails at once (a capture begun
+        // meanwhile) ended the wait, with the copy still queued.
+        let answers = vec![Ok(false), Ok(false), Ok(false), Ok(true)];
+        assert_eq!(
+            wait_with(Err(cuda(CAPTURE_UNSUPPORTED)), answers),
+            (Waited::Done, 4)
+        );
+        // Errors that are not sticky are retried too, and a pending answer starts the count of
+        // failures again.
+        let mut answers = vec![Err(cuda(CAPTURE_UNSUPPORTED)); PATIENCE as usize - 1];
+        answers.push(Ok(false));
+        answers.extend(vec![Err(cuda(CAPTURE_UNSUPPORTED)); PATIENCE as usize - 1]);
+        answers.push(Ok(true));
+        let (waited, polls) = wait_with(Err(cuda(CAPTURE_UNSUPPORTED)), answers);
+        assert_eq!((waited, polls), (Waited::Done, 2 * PATIENCE as usize));
+    }
+
+    #[test]
+    fn a_sticky_error_ends_the_wait_with_that_error() {
+        // Sticky at the first wait: no poll.
+        assert_eq!(
+            wait_with(Err(cuda(700)), vec![Ok(false)]),
+            (Waited::Stopped(cuda(700)), 0)
+        );
+        // Sticky while polling.
+        let answers = vec![Ok(false), Err(cuda(CAPTURE_UNSUPPORTED)), Err(cuda(719))];
+        assert_eq!(
+            wait_with(Err(cuda(CAPTURE_UNSUPPORTED)), answers),
+            (Waited::Stopped(cuda(719)), 3)
+        );
+        for code in STICKY {
+            assert!(stops_all_work(&cuda(code)), "{code}");
+        }
+        for code in [1, 2, 4, 400, 600, 900, 901, 904] {
+            assert!(!stops_all_work(&cuda(code)), "{code} is not sticky");
+        }
+        assert!(!stops_all_work(&Error::InvalidArgument("x".into())));
+    }
+
+    #[test]
+    fn endless_errors_that_are_not_sticky_give_up_after_about_a_minute() {
+        let (waited, polls) = wait_with(
+            Err(cuda(CAPTURE_UNSUPPORTED)),
+            vec![Err(cuda(CAPTURE_UNSUPPORTED))],
+        );
+        assert_eq!(waited, Waited::Unknown(cuda(CAPTURE_UNSUPPORTED)));
+        assert_eq!(polls, PATIENCE as usize);
+        let slept: u64 = (0..PATIENCE).map(pause_micros).sum();
+        assert!(
+            (50_000_000..=70_000_000).contains(&slept),
+            "{slept} µs of pauses before giving up"
+        );
+        assert_eq!(pause_micros(0), 50);
+        assert_eq!(pause_micros(u32::MAX), 10_000);
+    }
 
     #[test]
     fn bounds_accept_every_range_form_inside_and_refuse_outside() {

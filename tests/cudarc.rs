@@ -39,6 +39,12 @@ fn main() {
             1,
             one_wrapper_at_a_time,
         ),
+        g.trial(
+            "a_slice_moves_in_only_on_a_wrapper_of_its_own_stream",
+            1,
+            slice_moves_on_its_own_stream,
+        ),
+        g.trial("zero_sized_elements_stay_in_handoff", 1, zero_sized_elements_stay),
     ]);
 }
 
@@ -54,25 +60,68 @@ fn cudarc_streams() -> Result<Setup, Failed> {
     Ok((dev, ctx, a, b))
 }
 
+/// A handoff stream over cudarc's `stream`.
+fn wrap(stream: &Arc<CudaStream>, dev: &Device) -> handoff::Result<Stream> {
+    // SAFETY: these tests begin no graph capture on a cudarc stream.
+    unsafe { Stream::from_cudarc(stream, dev) }
+}
+
 /// Two handoff Streams over one cudarc stream would each keep their own order and capture
 /// state: the second is refused while the first lives, and allowed once it is gone.
 fn one_wrapper_at_a_time() -> Result<(), Failed> {
     let (dev, _ctx, ca, _cb) = cudarc_streams()?;
-    let first = Stream::from_cudarc(&ca, &dev)?;
-    match Stream::from_cudarc(&ca, &dev) {
+    let first = wrap(&ca, &dev)?;
+    match wrap(&ca, &dev) {
         Err(handoff::Error::InvalidArgument(m)) => println!("refused: {m}"),
         other => return Err(format!("a second wrapper gave {other:?}").into()),
     }
     drop(first);
-    let again = Stream::from_cudarc(&ca, &dev)?;
+    let again = wrap(&ca, &dev)?;
     let mut x = DeviceBuffer::<f32>::zeros(&again, N)?;
     kernels::produce(&again, &mut x, 3)?;
     assert_all_eq("x", &x.to_vec(&again)?, |i| kernels::produced_value(i, 3))
 }
 
+/// A slice moves into handoff only on a Stream wrapping the slice's own stream (the move queues
+/// cudarc's waits there): on another, it is refused and cudarc keeps it, intact.
+fn slice_moves_on_its_own_stream() -> Result<(), Failed> {
+    let (dev, _ctx, ca, cb) = cudarc_streams()?;
+    let on_a = wrap(&ca, &dev)?;
+    let plain = Stream::new(&dev)?;
+    let host: Vec<f32> = (0..N).map(|i| i as f32).collect();
+    for other in [&plain, &on_a] {
+        let slice = cb.clone_htod(&host)?;
+        match DeviceBuffer::from_cudarc(slice, other) {
+            Err(handoff::Error::InvalidArgument(m)) => println!("refused: {m}"),
+            other => return Err(format!("a slice of another stream gave {other:?}").into()),
+        }
+    }
+    let on_b = wrap(&cb, &dev)?;
+    let x = DeviceBuffer::from_cudarc(cb.clone_htod(&host)?, &on_b)?;
+    assert_all_eq("x", &x.to_vec(&plain)?, |i| i as f32)
+}
+
+/// A buffer of zero-sized elements owns no memory: handing it to cudarc, which would free its
+/// dangling pointer, is refused; an empty one moves.
+fn zero_sized_elements_stay() -> Result<(), Failed> {
+    let (dev, _ctx, ca, _cb) = cudarc_streams()?;
+    let s = Stream::new(&dev)?;
+    let units = DeviceBuffer::<()>::zeros(&s, 5)?;
+    match units.into_cudarc(&ca) {
+        Err(handoff::Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("5 zero-sized elements gave {:?}", other.map(|s| s.len())).into()),
+    }
+    let empty = DeviceBuffer::<()>::zeros(&s, 0)?.into_cudarc(&ca)?;
+    if !empty.is_empty() {
+        return Err(format!("an empty buffer became a slice of {}", empty.len()).into());
+    }
+    ca.context().check_err()?;
+    Ok(())
+}
+
 fn round_trip() -> Result<(), Failed> {
     let (dev, _ctx, ca, cb) = cudarc_streams()?;
-    let s = Stream::from_cudarc(&ca, &dev)?;
+    let s = wrap(&ca, &dev)?;
     let other = Stream::new(&dev)?;
     let host: Vec<f32> = (0..N).map(|i| i as f32 * 0.5).collect();
     let slice = ca.clone_htod(&host)?;
@@ -105,7 +154,7 @@ fn handoff_write_then_cudarc_read() -> Result<(), Failed> {
 /// on another stream, which the launch must wait for.
 fn cudarc_launch_on_handoff_buffers() -> Result<(), Failed> {
     let (dev, ctx, ca, _cb) = cudarc_streams()?;
-    let s = Stream::from_cudarc(&ca, &dev)?;
+    let s = wrap(&ca, &dev)?;
     let f = ctx.load_module(Ptx::from_src(PTX))?.load_function("user_scale")?;
     let h = Stream::new(&dev)?;
     let mut src = DeviceBuffer::<f32>::zeros(&h, N)?;

@@ -6,11 +6,12 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{Gpus, assert_all_eq};
 use handoff::kernels::{self, produced_value};
-use handoff::{Device, DeviceBuffer, Error, Event, Stream};
+use handoff::{Device, DeviceBuffer, Error, Event, Graph, HostBuffer, Stream};
 use libtest_mimic::Failed;
 
 /// Long enough that, without tracking, the conflicting operation queued after it on another
@@ -31,6 +32,11 @@ fn main() {
             "hazard_c_host_copy_right_after_async_write",
             1,
             hazard_host_read_after_async_write,
+        ),
+        g.trial(
+            "hazard_d_copy_from_a_pinned_slice_while_another_thread_captures",
+            1,
+            hazard_copy_from_pinned_slice_during_captures,
         ),
         g.trial(
             "write_waits_for_reads_on_two_streams",
@@ -151,6 +157,101 @@ fn hazard_host_read_after_async_write() -> Result<(), Failed> {
     kernels::busy(&s1, LONG)?;
     kernels::produce(&s1, &mut x, 5)?;
     assert_all_eq("host copy", &x.to_vec(&s2)?, |i| produced_value(i, 5))
+}
+
+/// (d) One thread queues a kernel and then a blocking copy from pinned host memory (a
+/// `HostBuffer`'s contents, which the copy engine reads directly) on stream s, and overwrites
+/// the host memory as soon as the copy returns, whatever it returned; another thread begins and
+/// ends graph captures on s all the while. A copy that returns while the DMA may still read the
+/// source (a wait that a capture begun in between cuts short) lets the overwrite reach the
+/// device. The device must only ever hold a value the copy returned `Ok` for, or the one before
+/// a copy refused outright.
+fn hazard_copy_from_pinned_slice_during_captures() -> Result<(), Failed> {
+    const ROUNDS: usize = 400;
+    const OVERWRITE: f32 = -1.0;
+    let (dev, s, s2) = common::gpu0_two_streams()?;
+    let n = 1 << 16;
+    let mut x = DeviceBuffer::<f32>::zeros(&s, n)?;
+    let mut host = HostBuffer::<f32>::zeros(&dev, n)?;
+    // Loaded before the threads start: a first launch must not wait for the other thread.
+    kernels::busy(&s, Duration::ZERO)?;
+    s.synchronize()?;
+    let stop = AtomicBool::new(false);
+    let captures = AtomicUsize::new(0);
+    std::thread::scope(|t| {
+        let capturer = t.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                if Graph::capture(&s, |_| Ok(())).is_ok() {
+                    captures.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        let mut copier = || -> Result<[usize; 3], Failed> {
+            let (mut copied, mut refused, mut failed) = (0, 0, 0);
+            let mut want = 0.0f32;
+            for round in 0..ROUNDS {
+                let value = round as f32 + 1.0;
+                host.write()?.fill(value);
+                // The copy queues behind this kernel, so the DMA is still pending when the copy
+                // would return early. Refused while a capture is under way: try again.
+                while let Err(e) = kernels::busy(&s, Duration::from_millis(5)) {
+                    if !matches!(e, Error::Capture { .. }) {
+                        return Err(e.into());
+                    }
+                }
+                let r = {
+                    let src = host.read()?;
+                    x.copy_from_slice(&s, &src)
+                };
+                // At once, as a caller may once the copy has returned.
+                host.write()?.fill(OVERWRITE);
+                match &r {
+                    Ok(()) => {
+                        copied += 1;
+                        want = value;
+                    }
+                    // Refused under the stream's order: nothing was queued.
+                    Err(Error::Capture { .. }) => refused += 1,
+                    Err(e) => {
+                        failed += 1;
+                        println!("round {round}: copy_from_slice failed: {e}");
+                    }
+                }
+                let got = x.to_vec(&s2)?;
+                if got.contains(&OVERWRITE) {
+                    return Err(format!(
+                        "round {round}: the device holds the host's overwrite, made after \
+                         copy_from_slice returned ({r:?}): the copy read the source late"
+                    )
+                    .into());
+                }
+                if failed == 0 {
+                    assert_all_eq(&format!("x after round {round}"), &got, |_| want)?;
+                }
+            }
+            Ok([copied, refused, failed])
+        };
+        let counts = copier();
+        stop.store(true, Ordering::Relaxed);
+        capturer.join().map_err(|_| "the capturing thread panicked")?;
+        let [copied, refused, failed] = counts?;
+        let captures = captures.load(Ordering::Relaxed);
+        println!(
+            "{copied} copies, {refused} refused during a capture, {failed} failed; {captures} \
+             captures meanwhile"
+        );
+        if captures == 0 || copied == 0 {
+            return Err("the copies and the captures did not interleave: nothing was tested".into());
+        }
+        if failed > 0 {
+            return Err(format!(
+                "{failed} copies failed with an error other than a refusal (a wait cut short by \
+                 a capture begun after the copy was queued)"
+            )
+            .into());
+        }
+        Ok(())
+    })
 }
 
 /// Reads on two streams, then a write on a third: the write must wait for both reads (cudarc

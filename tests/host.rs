@@ -49,6 +49,11 @@ fn main() {
         ),
         g.trial("round_trips_through_views_exact_values", 1, round_trips),
         g.trial(
+            "the_cache_reuses_memory_once_its_copies_are_done",
+            1,
+            cache_reuses_memory_once_its_copies_are_done,
+        ),
+        g.trial(
             "zero_length_and_mismatched_lengths",
             1,
             zero_length_and_mismatched_lengths,
@@ -137,30 +142,42 @@ fn copy_in_while_copied_out_on_another_stream() -> Result<(), Failed> {
 }
 
 /// Host buffers dropped right after a copy out of one and into another was queued behind a long
-/// kernel: the drop must wait for the copy before freeing (the stream is idle once the drop
-/// returns), and the copy out must have carried the right values. With tracking bypassed the
-/// drop frees at once; the test then fails unless `cudaFreeHost` itself waits for the device
-/// (it is often reported to, as `cudaFree` does; the bypassed run says which).
+/// kernel. The drop must not block (the memory goes to the device's cache with the copy's
+/// event), and no new host buffer may take that memory while the copy still uses it: new
+/// buffers of the same size, filled on the host at once, must leave the copy's values intact.
+/// `free()` waits for the copies and reports their errors: the stream is idle after it. With
+/// tracking bypassed the cache hands the memory out at once and the copy reads the new values.
 fn drop_right_after_queued_copies() -> Result<(), Failed> {
     let (dev, s, _) = common::gpu0_two_streams()?;
     // Out of a host buffer, then drop it.
     let host = HostBuffer::from_slice(&dev, &(0..N).map(|i| 2.0 * i as f32).collect::<Vec<_>>())?;
+    let old_addr = host.as_raw_ptr() as usize;
     let mut d = DeviceBuffer::<f32>::zeros(&s, N)?;
     s.synchronize()?;
     kernels::busy(&s, LONG)?;
     d.copy_from_host(&host, &s)?;
     let t = Instant::now();
     drop(host);
-    let idle = s.is_idle()?;
-    println!(
-        "drop after a copy out: {:?}, stream idle after: {idle}",
-        t.elapsed()
-    );
-    if !idle {
-        return Err("the host buffer was freed while a copy out of it was still queued".into());
+    let dropped = t.elapsed();
+    let mut reused = false;
+    let mut others = Vec::new();
+    for _ in 0..4 {
+        let other = HostBuffer::from_slice(&dev, &vec![-1.0f32; N])?;
+        reused |= other.as_raw_ptr() as usize == old_addr;
+        others.push(other);
     }
+    println!(
+        "drop after a copy out: {dropped:?}; its memory handed out again while the copy was \
+         queued: {reused}"
+    );
     assert_all_eq("device copy", &d.to_vec(&s)?, |i| 2.0 * i as f32)?;
-    // Into a host buffer, then drop it; free() reports errors.
+    if reused {
+        return Err("a host buffer's memory was handed out again while a copy out of it was queued".into());
+    }
+    if dropped >= LONG / 2 {
+        return Err(format!("dropping a host buffer blocked for {dropped:?}: it must return at once").into());
+    }
+    // Into a host buffer, then free() it: it waits, and reports.
     let x = produced(&s, N, 2)?;
     let mut host = HostBuffer::<f32>::zeros(&dev, N)?;
     kernels::busy(&s, LONG)?;
@@ -173,10 +190,37 @@ fn drop_right_after_queued_copies() -> Result<(), Failed> {
         t.elapsed()
     );
     if !idle {
-        return Err("the host buffer was freed while a copy into it was still queued".into());
+        return Err("free() returned while a copy into the host buffer was still queued".into());
     }
     s.synchronize()?;
     Ok(())
+}
+
+/// A dropped host buffer's memory, once its copies have completed, is what the next buffer of
+/// its size class on the device gets: no new pinned allocation. A size class no other test of
+/// this binary uses (16 MiB), so that the parallel tests cannot take the block first.
+/// `release_cached` is left to `examples/pinned.rs`: here its device-wide wait would stall the
+/// other tests' copies, as dropped buffers did before the cache.
+fn cache_reuses_memory_once_its_copies_are_done() -> Result<(), Failed> {
+    let (dev, s, _) = common::gpu0_two_streams()?;
+    let n = (3 << 22) / std::mem::size_of::<f32>(); // 12 MiB: the 16 MiB class
+    let x = produced(&s, n, 4)?;
+    let mut host = HostBuffer::<f32>::zeros(&dev, n)?;
+    x.copy_to_host(&mut host, &s)?;
+    assert_all_eq("host", &host.read()?, |i| produced_value(i, 4))?;
+    let addr = host.as_raw_ptr() as usize;
+    drop(host);
+    // Other tests only add blocks of other classes meanwhile, or take them.
+    let cached = handoff::host::cached_bytes(&dev);
+    if cached < 16 << 20 {
+        return Err(format!("after dropping a 12 MiB buffer, {cached} bytes are cached").into());
+    }
+    // Smaller, of the same class: the same block, with the new contents.
+    let again = HostBuffer::from_slice(&dev, &vec![7u32; n - 5])?;
+    if again.as_raw_ptr() as usize != addr {
+        return Err("a buffer of the same size class did not reuse the cached block".into());
+    }
+    assert_all_eq("reused buffer", &again.read()?, |_| 7)
 }
 
 /// Exact values through views in both directions, and through a second pinned buffer.
