@@ -80,16 +80,24 @@
 //!   every read. Tests: a CPU test that forces the interleaving that lost an event before;
 //!   `tests/threads.rs` (twelve threads reading on a shared stream, then a write; it fails
 //!   against the crate before the fix).
-//! - **Host and drop.** Host copies wait for the last write and block until done; dropping a
+//! - **Host and drop.** Host copies wait for the last write and block until the copy's own
+//!   event has completed (a capture begun on the stream meanwhile cannot cut the wait short;
+//!   should CUDA report neither completion nor a sticky error for about a minute, the process
+//!   aborts rather than return while the copy may still read or write host memory); dropping a
 //!   buffer frees it on an internal stream after every pending use, without blocking. Pinned
 //!   host buffers ([`HostBuffer`]) are tracked like device buffers: `read` waits for the last
-//!   copy into one, `write` and drop for every copy; the borrow checker keeps new copies out
-//!   while a host reference lives. Tests: `tests/gpu.rs` (a drop while a kernel reads, a host
-//!   copy right after a write), `tests/host.rs`.
+//!   copy into one, `write` for every copy; the borrow checker keeps new copies out while a
+//!   host reference lives. Dropping one never blocks: its memory goes to a per-device cache
+//!   with its pending copies' events, is handed to a new buffer only once they have completed,
+//!   and is freed only by [`host::release_cached`], which waits for them. Tests: `tests/gpu.rs`
+//!   (a drop while a kernel reads, a host copy right after a write, a copy from pinned memory
+//!   while another thread captures the stream), `tests/host.rs`.
 //! - **Users' kernels and raw work.** A launch through [`module`] declares each buffer's access
 //!   by the argument's type and is tracked like handoff's own kernels; what the kernel does
 //!   inside is the `unsafe` launch's contract. Raw work is declared with the `unsafe`
-//!   [`Stream::raw_use`]. Tests: `tests/user.rs`, `tests/cudarc.rs` (feature `cudarc`).
+//!   [`Stream::raw_use`]. Wrapping a cudarc stream is `unsafe` (`Stream::from_cudarc`):
+//!   cudarc's safe `begin_capture` is invisible to handoff, so the caller promises no capture
+//!   on it outside [`Graph`]. Tests: `tests/user.rs`, `tests/cudarc.rs` (feature `cudarc`).
 //! - **NCCL groups.** NCCL queues nothing before `ncclGroupEnd`, so the events are recorded
 //!   after it; a raw `ncclGroupStart` left open would make them complete before the transfer,
 //!   which is why [`result::nccl::group_start`] is `unsafe`. Tests: compile-fail doc tests on the
@@ -140,8 +148,22 @@
 //!   call. Non-blocking
 //!   communicators ([`CommOptions::with_blocking`]) bound both, at tens of microseconds per
 //!   group on NCCL 2.28.
-//! - Verification trusts the peers' mailboxes: a peer process that is not handoff, or another
-//!   process of the same user, can write or truncate them.
+//! - Mailbox files. Each verifying rank's mailbox is a file in `/dev/shm` (else the temporary
+//!   folder), created mode 0600 whatever the umask, under a name with a random token, and
+//!   removed once every rank has mapped its peers'; until then only processes of the same user
+//!   and root can open it. A rank maps a peer's mailbox only if `lstat`, then `fstat` of what
+//!   it opened without following links or blocking, say it is a regular file of this process's
+//!   user, writable by nobody else, of exactly the expected size; anything else is
+//!   [`Error::Setup`] at once, saying what it was. So verifying ranks on one host run as one
+//!   user. Whatever a peer writes in its mailbox is read as a value or nothing, within the
+//!   mapping and the timeout (property tests in `src/nccl/verify/hostile.rs`). Trusted, not
+//!   defended: every rank runs handoff honestly (a rank can publish one operation and post
+//!   another to NCCL), and no process of the same user, or root, writes or truncates a mapped
+//!   mailbox (truncation makes the next access fault); such processes can already ptrace the
+//!   ranks.
+//! - A [`HostBuffer`] that finds no cached block of its size class calls `cudaMallocHost`,
+//!   which CUDA lists as implicitly synchronising; the cache holds pinned memory until
+//!   [`host::release_cached`].
 //! - Across hosts there is no verification yet: creation fails with [`Error::Setup`] and says to
 //!   use [`CommOptions::unverified`].
 //! - A report of cut-short data reaches the first host read of the received buffer (or of a
