@@ -6,6 +6,8 @@
 #   bypass.log  the GPU tests with tracking bypassed: their hazard tests are expected to FAIL
 #   bench.tar   the benchmarks' rows and plots: sendrecv-MODE.{csv,svg}, coll-MODE-OP.{csv,svg},
 #               graphs-MODE.csv
+# HANDOFF_DEVICE_SKIP lists parts to leave out ("soak examples bench bypass"), for a short run;
+# HANDOFF_HOST_REPEAT=N runs tests/host N times at once after the suite (its parallel flake).
 set -u
 cd "$(dirname "$0")/.."
 # scripts/stage-device.sh packs the binaries; carried as .device.tar.gz, unpacked here.
@@ -23,19 +25,32 @@ say "== $(date -u +%FT%TZ) on $(hostname)"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv 2>&1 | tee -a "$log"
 say "HANDOFF_REQUIRE_GPUS=$HANDOFF_REQUIRE_GPUS"
 
+skip() { case " ${HANDOFF_DEVICE_SKIP:-} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 failed=()
 for t in .device/tests/*; do
   say "== test $(basename "$t")"
   "$t" 2>&1 | tee -a "$log"
   [ "${PIPESTATUS[0]}" = 0 ] || failed+=("test $(basename "$t")")
 done
+if [ "${HANDOFF_HOST_REPEAT:-0}" -gt 0 ] && [ -x .device/tests/host ]; then
+  n=$HANDOFF_HOST_REPEAT
+  say "== tests/host, $n runs at once"
+  for i in $(seq "$n"); do .device/tests/host >"$out/host-$i.log" 2>&1 & done
+  bad=0
+  for i in $(seq "$n"); do wait -n || bad=$((bad + 1)); done
+  say "host: $bad of $n parallel runs failed"
+  grep -h -A3 -E '^---- |FAILED|panicked' "$out"/host-*.log | head -40 | tee -a "$log"
+  rm -f "$out"/host-*.log
+  [ "$bad" = 0 ] || failed+=("host x$n ($bad failed)")
+fi
 # The long soak (the normal run above has the short one). HANDOFF_SOAK_ROUNDS overrides.
-if [ -x .device/tests/reliability ]; then
+if ! skip soak && [ -x .device/tests/reliability ]; then
   say "== soak, long form"
   HANDOFF_SOAK_ROUNDS=${HANDOFF_SOAK_ROUNDS:-100000} .device/tests/reliability soak_article_loop 2>&1 | tee -a "$log"
   [ "${PIPESTATUS[0]}" = 0 ] || failed+=("long soak")
 fi
 for e in .device/examples/*; do
+  skip examples && break
   say "== example $(basename "$e")"
   "$e" 2>&1 | tee -a "$log"
   [ "${PIPESTATUS[0]}" = 0 ] || failed+=("example $(basename "$e")")
@@ -46,7 +61,7 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 # At most 8 files come back from the device tool: the benchmark's CSV and SVG files go into
 # one archive, bench.tar.
 bench=$(mktemp -d)
-if [ -x .device/benches/sendrecv ]; then
+if ! skip bench && [ -x .device/benches/sendrecv ]; then
   modes="self"
   [ "$gpus" -ge 2 ] && modes="self inproc procs"
   for m in $modes; do
@@ -63,7 +78,7 @@ if [ -x .device/benches/sendrecv ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench sendrecv --mode self --nonblocking")
 fi
 # The collectives benchmark (two GPUs), in one process and in two.
-if [ -x .device/benches/collectives ] && [ "$gpus" -ge 2 ]; then
+if ! skip bench && [ -x .device/benches/collectives ] && [ "$gpus" -ge 2 ]; then
   for m in inproc procs; do
     say "== bench collectives --mode $m"
     # shellcheck disable=SC2086
@@ -74,7 +89,7 @@ if [ -x .device/benches/collectives ] && [ "$gpus" -ge 2 ]; then
 fi
 # The graphs benchmark (the article's round: handoff eager and graph, raw eager and graph): one
 # GPU always, two processes when there are two GPUs.
-if [ -x .device/benches/graphs ]; then
+if ! skip bench && [ -x .device/benches/graphs ]; then
   modes="self"
   [ "$gpus" -ge 2 ] && modes="self procs"
   for m in $modes; do
@@ -86,7 +101,7 @@ if [ -x .device/benches/graphs ]; then
 fi
 tar -cf "$out/bench.tar" -C "$bench" .
 
-if [ -d .device/bypass ]; then
+if ! skip bypass && [ -d .device/bypass ]; then
   say "== GPU tests with tracking BYPASSED (hazard and reuse tests should fail): see bypass.log"
   : >"$out/bypass.log"
   for t in .device/bypass/*; do
