@@ -16,6 +16,14 @@ const F32: u32 = 7;
 /// An all-gather: every rank's words, in rank order, or why not.
 pub type Gather<'a> = dyn FnMut(&[u64]) -> Result<Vec<u64>, String> + 'a;
 
+/// Where a rank's channel listens, as its setup chooses it from the variables.
+///
+/// # Errors
+/// A variable names no usable address.
+pub fn listen_addr() -> Result<std::net::SocketAddr, String> {
+    setup::listen_addr()
+}
+
 /// One rank's verification, set up.
 pub struct Rank {
     boxes: Mailboxes,
