@@ -33,6 +33,14 @@ if ! have_libclang; then
   fi
 fi
 
+# --- iproute2, for the two-host rehearsal (tests/hosts.rs: network namespaces, veth pairs) ------
+# Only as root (the namespaces need it anyway); elsewhere the rehearsal reports ignored.
+if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  say "installing iproute2 (the two-host rehearsal's namespaces)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+fi
+
 # --- CUDA headers, nvcc, NCCL header ---------------------------------------------------------
 system_cuda() {
   local h=${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}}

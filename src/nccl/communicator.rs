@@ -5,7 +5,6 @@ use std::cell::Cell;
 use std::collections::VecDeque;
 use std::fmt;
 use std::marker::PhantomData;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -18,8 +17,8 @@ use crate::nccl::id::UniqueId;
 use crate::nccl::options::CommOptions;
 use crate::nccl::types::NcclType;
 use crate::nccl::verify::Mailboxes;
-use crate::nccl::verify::mailbox::{BROKEN, Region, mailbox_dir};
-use crate::nccl::verify::wire::{CARD_WORDS, Card, check_cards};
+use crate::nccl::verify::mailbox::{BROKEN, Region};
+use crate::nccl::verify::setup::settle;
 use crate::nccl::watchdog;
 use crate::result::nccl as nc;
 use crate::stream::Stream;
@@ -439,10 +438,12 @@ impl Communicator {
         r
     }
 
-    /// Every rank tells every other, through NCCL, whether it verifies and where its mailbox
-    /// is; every rank then maps its peers' mailboxes and says whether it could. Any
-    /// disagreement or failure is an error on every rank, so no rank verifies alone (issue 9,
-    /// hole 2: a verifying rank's checks would be read by an unverified one as payload).
+    /// Every rank tells every other, through NCCL, whether it verifies, where its mailbox is
+    /// and where its verification channel listens; every pair of ranks then shares mailbox
+    /// files where it can (one host) and connects through the channel otherwise (see
+    /// `verify::setup`). Any disagreement or failure is an error on every rank, so no rank
+    /// verifies alone (issue 9, hole 2: a verifying rank's checks would be read by an
+    /// unverified one as payload).
     pub(super) fn settle_verification(&mut self) -> Result<()> {
         let (world, rank, verified) = (self.world, self.rank, self.options.verified());
         if world == 1 {
@@ -451,82 +452,17 @@ impl Communicator {
             }
             return Ok(());
         }
-        let token = random_token();
-        let mut mine: Option<(Region, PathBuf)> = None;
-        let mut problem = String::new();
-        if verified {
-            match Region::create_file(&mailbox_dir(), world, rank, token) {
-                Ok(m) => mine = Some(m),
-                Err(e) => problem = e.to_string(),
-            }
-        }
-        let path = mine
-            .as_ref()
-            .map(|(_, p)| p.display().to_string())
-            .unwrap_or_default();
-        let card = Card {
+        let timeout = self.options.timeout();
+        let settled = settle(
+            rank,
+            world,
             verified,
-            rank: rank as u32,
-            world: world as u32,
-            token,
-            pid: std::process::id(),
-            path,
-        };
-        let words = card.encode().map_err(|detail| Error::Setup { detail })?;
-        let gathered = self.all_gather_words(&words);
-        let removed = |m: &Option<(Region, PathBuf)>| {
-            if let Some((_, p)) = m {
-                let _ = std::fs::remove_file(p);
-            }
-        };
-        let gathered = gathered.inspect_err(|_| removed(&mine))?;
-        let cards: Vec<Card> = gathered
-            .chunks(CARD_WORDS)
-            .map(Card::decode)
-            .collect::<std::result::Result<Vec<Card>, _>>()
-            .and_then(|cards| check_cards(rank, &cards).map(|()| cards))
-            .map_err(|detail| {
-                removed(&mine);
-                Error::Setup { detail }
-            })?;
-        let mut regions = Vec::new();
-        if verified && problem.is_empty() {
-            for (r, c) in cards.iter().enumerate() {
-                if r == rank {
-                    continue;
-                }
-                match Region::open_file(std::path::Path::new(&c.path), world, r, c.token) {
-                    Ok(region) => regions.push((r, Arc::new(region))),
-                    Err(e) => {
-                        problem = format!("rank {rank} cannot map rank {r}'s mailbox: {e}");
-                        break;
-                    }
-                }
-            }
-        }
-        // Second round: did everyone map everyone? Then the files can go.
-        let ok = self.all_gather_words(&[u64::from(problem.is_empty())]);
-        removed(&mine);
-        let ok = ok?;
-        if !problem.is_empty() {
-            return Err(Error::Setup { detail: problem });
-        }
-        if let Some(bad) = ok.iter().position(|&w| w != 1) {
-            return Err(Error::Setup {
-                detail: format!("rank {bad} could not set up verification (its error says why)"),
-            });
-        }
-        if let Some((own, _)) = mine {
-            let mut all: Vec<Option<Arc<Region>>> = vec![None; world];
-            all[rank] = Some(Arc::new(own));
-            for (r, region) in regions {
-                all[r] = Some(region);
-            }
-            let all = all
-                .into_iter()
-                .map(|r| r.expect("every rank's mailbox is mapped"))
-                .collect();
-            self.attach(all);
+            random_token(),
+            timeout,
+            &mut |w: &[u64]| self.all_gather_words(w),
+        )?;
+        if let Some(s) = settled {
+            self.attach(s.regions);
         }
         Ok(())
     }

@@ -40,3 +40,5 @@ pub use group::{Group, group};
 pub use id::UniqueId;
 pub use options::CommOptions;
 pub use types::NcclType;
+#[doc(hidden)]
+pub use verify::rehearsal;

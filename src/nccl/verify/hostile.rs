@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
 use super::mailbox::{MAX_CHECKED, RING, Region, STATUS_AT};
-use super::wire::{CARD_WORDS, Card, CollDesc, CollKind, Dir, NONE, OpDesc, P2P, check_cards};
+use super::wire::{CARD_WORDS, Card, CollDesc, CollKind, Dir, NONE, OpDesc, P2P, PATH_BYTES, check_cards};
 use super::{CollOps, Failure, Mailboxes, PairOps, verify};
 
 /// Runs `test` over `cases` values of `strategy`, panicking with proptest's minimal failing
@@ -540,6 +540,7 @@ fn card_words(path: &str) -> [u64; CARD_WORDS] {
         token: 0xfeed,
         pid: 42,
         path: path.into(),
+        ..Card::default()
     }
     .encode()
     .unwrap()
@@ -625,11 +626,12 @@ fn a_card_encodes_any_path_that_fits_and_refuses_a_longer_one() {
                 token,
                 pid,
                 path: path.repeat(3),
+                ..Card::default()
             };
             match card.encode() {
                 Ok(w) => prop_assert_eq!(Card::decode(&w), Ok(card)),
                 Err(e) => {
-                    prop_assert!(card.path.len() > (CARD_WORDS - 8) * 8);
+                    prop_assert!(card.path.len() > PATH_BYTES);
                     prop_assert!(e.contains("TMPDIR"), "{}", e);
                 }
             }

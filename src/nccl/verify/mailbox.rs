@@ -28,6 +28,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::channel::{Channel, Note};
 use super::wire::{CollDesc, Dir, OpDesc};
 
 /// Entries per ring: how far a rank may publish ahead of its peer's checks.
@@ -116,8 +117,8 @@ pub(crate) enum MailboxError {
     },
     /// The file named in a peer's card cannot be opened.
     #[error(
-        "opening {}: {error}. Verification needs every rank on one host (sharing /dev/shm); across \
-         hosts, create the communicators with the unsafe CommOptions::unverified",
+        "opening {}: {error} (a peer whose file cannot be opened is verified through the \
+         channel instead)",
         .path.display()
     )]
     Open {
@@ -296,6 +297,9 @@ pub(crate) struct Region {
     words: *const AtomicU64,
     len: usize,
     world: usize,
+    /// The owner's: its connections to the peers on other hosts, which each write a peer reads
+    /// is forwarded to (see [`super::channel`]).
+    channel: std::sync::OnceLock<Channel>,
     _memory: Memory,
 }
 
@@ -324,7 +328,30 @@ impl Region {
             words,
             len,
             world,
+            channel: std::sync::OnceLock::new(),
             _memory: memory,
+        }
+    }
+
+    /// From now on, each write of the owner's that a peer on `channel` reads is also sent to
+    /// it. Set once, before the region is shared.
+    pub(crate) fn install_channel(&self, channel: Channel) {
+        assert!(self.writable(), "a peer's mailbox is never written");
+        assert!(
+            self.channel.set(channel).is_ok(),
+            "a region's channel is installed once"
+        );
+    }
+
+    fn tell(&self, peer: usize, note: Note) {
+        if let Some(c) = self.channel.get() {
+            c.tell(peer, note);
+        }
+    }
+
+    fn tell_all(&self, note: Note) {
+        if let Some(c) = self.channel.get() {
+            c.tell_all(note);
         }
     }
 
@@ -538,12 +565,19 @@ impl Region {
     /// Publishes this rank's collective number `index`. The caller has made sure every peer
     /// checked entry `index - RING` ([`Region::coll_checked`]).
     pub(crate) fn publish_coll(&self, index: u64, op: CollDesc) {
+        self.publish_coll_words(index, op.encode());
+    }
+
+    /// [`Region::publish_coll`] of encoded words, as a peer's channel delivers them.
+    pub(super) fn publish_coll_words(&self, index: u64, words: [u64; 3]) {
         assert!(self.writable(), "a peer's mailbox is never written");
         let at = self.coll_slot(index);
-        for (i, w) in op.encode().into_iter().enumerate() {
+        for (i, w) in words.into_iter().enumerate() {
             self.word(at + 1 + i).store(w, Ordering::Relaxed);
         }
-        self.word(at).store(index + 1, Ordering::Release);
+        // Wrapping: entry u64::MAX (only a hostile peer's) is then never read.
+        self.word(at).store(index.wrapping_add(1), Ordering::Release);
+        self.tell_all(Note::Coll { index, words });
     }
 
     /// The owner's collective number `index`, once published: `Some(None)` for words no
@@ -569,17 +603,24 @@ impl Region {
         assert!(self.writable(), "a peer's mailbox is never written");
         self.word(self.coll_checked_word(peer))
             .store(n, Ordering::Release);
+        self.tell(peer, Note::CollChecked { n });
     }
 
     /// Publishes this rank's operation number `index` with `peer`. The caller has made sure the
     /// peer checked entry `index - RING` ([`Region::checked`]).
     pub(crate) fn publish(&self, peer: usize, dir: Dir, index: u64, op: OpDesc) {
+        self.publish_words(peer, dir, index, op.encode());
+    }
+
+    /// [`Region::publish`] of encoded words, as a peer's channel delivers them.
+    pub(super) fn publish_words(&self, peer: usize, dir: Dir, index: u64, words: [u64; 2]) {
         assert!(self.writable(), "a peer's mailbox is never written");
         let at = self.slot(peer, dir, index);
-        let [count, dtype] = op.encode();
-        self.word(at + 1).store(count, Ordering::Relaxed);
-        self.word(at + 2).store(dtype, Ordering::Relaxed);
-        self.word(at).store(index + 1, Ordering::Release);
+        self.word(at + 1).store(words[0], Ordering::Relaxed);
+        self.word(at + 2).store(words[1], Ordering::Relaxed);
+        // Wrapping: entry u64::MAX (only a hostile peer's) is then never read.
+        self.word(at).store(index.wrapping_add(1), Ordering::Release);
+        self.tell(peer, Note::Publish { dir, index, words });
     }
 
     /// The owner's operation number `index` with `peer`, once published.
@@ -608,6 +649,7 @@ impl Region {
         assert!(self.writable(), "a peer's mailbox is never written");
         self.word(self.checked_word(peer, dir))
             .store(n, Ordering::Release);
+        self.tell(peer, Note::Checked { dir, n });
     }
 
     /// The owner's status ([`LIVE`] or [`BROKEN`]).
@@ -619,6 +661,7 @@ impl Region {
     pub(crate) fn set_broken(&self) {
         assert!(self.writable(), "a peer's mailbox is never written");
         self.word(H_STATUS).store(BROKEN, Ordering::Release);
+        self.tell_all(Note::Broken);
     }
 
     /// The owner's watchdog says it is alive (`now_ms`, wall-clock milliseconds) and whether
@@ -627,6 +670,7 @@ impl Region {
         assert!(self.writable(), "a peer's mailbox is never written");
         self.word(H_BACKLOG).store(u64::from(backlog), Ordering::Relaxed);
         self.word(H_HEARTBEAT).store(now_ms, Ordering::Release);
+        self.tell_all(Note::Heartbeat { backlog });
     }
 
     /// Whether the owner was alive at most `fresh_ms` before `now_ms` and held up by its own

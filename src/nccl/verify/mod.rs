@@ -15,10 +15,16 @@
 //! their counterparts in the same group: they are checked within it, and a missing one is an
 //! error at once, never a wait.
 
+mod auth;
+mod channel;
+#[cfg(test)]
+mod channel_tests;
 #[cfg(test)]
 mod hostile;
 pub(crate) mod mailbox;
 pub(crate) mod model;
+pub mod rehearsal;
+pub(crate) mod setup;
 pub(crate) mod wire;
 
 use std::cell::RefCell;
@@ -224,6 +230,9 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
                 return Err(Failure::Missing(what));
             }
             if p.boxes.regions[p.peer].status() == BROKEN {
+                // What the peer published before it broke is visible now (its status is read
+                // with acquire): a mismatch in it is a mismatch here too, as on the peer.
+                step(p, &mut d.clone())?;
                 return Err(Failure::PeerBroken(p.peer));
             }
             let waited = started.elapsed();
@@ -254,6 +263,8 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
             let broken =
                 (0..c.boxes.regions.len()).find(|&r| r != me && c.boxes.regions[r].status() == BROKEN);
             if let Some(r) = broken {
+                // As for a pair: what the peer published before it broke is checked first.
+                step_coll(c, &mut d.clone())?;
                 return Err(Failure::PeerBroken(r));
             }
             let waited = started.elapsed();

@@ -249,16 +249,39 @@ pub(crate) fn compare_coll(
     ))
 }
 
-// "HDOFFCD3": ring entries name the collective a send or receive is part of, so ranks of
-// another version must not be paired with these.
-const CARD_MAGIC: u64 = 0x4844_4f46_4643_4433; // "HDOFFCD3"
+// "HDOFFCD4": cards name the rank's host and its verification channel (see
+// [`super::channel`]), so ranks of another version must not be paired with these.
+const CARD_MAGIC: u64 = 0x4844_4f46_4643_4434; // "HDOFFCD4"
 /// Words in an encoded card.
-pub(crate) const CARD_WORDS: usize = 32;
-const PATH_WORDS: usize = CARD_WORDS - 8;
+pub(crate) const CARD_WORDS: usize = 40;
+const PATH_AT: usize = 8;
+const PATH_WORDS: usize = 24;
+/// The longest mailbox path a card holds.
+#[cfg(test)]
+pub(crate) const PATH_BYTES: usize = PATH_WORDS * 8;
+const HOST_AT: usize = PATH_AT + PATH_WORDS;
+
+/// Which kernel and mount namespace a rank runs in: two ranks may share a mailbox file only if
+/// these are equal (and the file proves it, see [`super::setup`]). Zero where unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct HostId {
+    /// `/proc/sys/kernel/random/boot_id`: one per boot of one kernel.
+    pub(crate) boot: u128,
+    /// The inode of `/proc/self/ns/mnt`: one per mount namespace of that kernel.
+    pub(crate) mounts: u64,
+}
+
+impl HostId {
+    /// Both known and equal: the two ranks may be on one host (the file probe decides).
+    pub(crate) fn maybe_same(self, other: HostId) -> bool {
+        self.boot != 0 && self.mounts != 0 && self == other
+    }
+}
 
 /// What each rank tells every other when a communicator is created: whether it verifies, and
-/// where its mailbox is (see [`super::mailbox`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// where its mailbox is (see [`super::mailbox`]) and its verification channel listens (see
+/// [`super::channel`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct Card {
     pub(crate) verified: bool,
     pub(crate) rank: u32,
@@ -269,6 +292,21 @@ pub(crate) struct Card {
     pub(crate) pid: u32,
     /// The mailbox file, empty when the rank has none (unverified).
     pub(crate) path: String,
+    /// The rank's kernel and mount namespace.
+    pub(crate) host: HostId,
+    /// Where its channel listens, `None` when it has none (unverified).
+    pub(crate) addr: Option<std::net::SocketAddr>,
+    /// A random value a peer must prove it knows to connect to the channel (it travels only
+    /// through NCCL's all-gather of the cards, never on the channel's connection).
+    pub(crate) channel_token: u128,
+}
+
+fn split128(v: u128) -> [u64; 2] {
+    [v as u64, (v >> 64) as u64]
+}
+
+fn join128(w: &[u64]) -> u128 {
+    u128::from(w[0]) | (u128::from(w[1]) << 64)
 }
 
 impl Card {
@@ -295,7 +333,22 @@ impl Card {
         for (i, chunk) in bytes.chunks(8).enumerate() {
             let mut b = [0u8; 8];
             b[..chunk.len()].copy_from_slice(chunk);
-            w[8 + i] = u64::from_le_bytes(b);
+            w[PATH_AT + i] = u64::from_le_bytes(b);
+        }
+        let h = HOST_AT;
+        w[h..h + 2].copy_from_slice(&split128(self.host.boot));
+        w[h + 2] = self.host.mounts;
+        w[h + 3..h + 5].copy_from_slice(&split128(self.channel_token));
+        match self.addr {
+            None => {}
+            Some(std::net::SocketAddr::V4(a)) => {
+                w[h + 5] = 4 | u64::from(a.port()) << 8;
+                w[h + 6] = u64::from(a.ip().to_bits());
+            }
+            Some(std::net::SocketAddr::V6(a)) => {
+                w[h + 5] = 6 | u64::from(a.port()) << 8;
+                w[h + 6..h + 8].copy_from_slice(&split128(a.ip().to_bits()));
+            }
         }
         Ok(w)
     }
@@ -305,14 +358,33 @@ impl Card {
     /// # Errors
     /// Not a card of this handoff version.
     pub(crate) fn decode(w: &[u64]) -> Result<Card, String> {
-        if w.len() != CARD_WORDS || w[0] != CARD_MAGIC || w[1] > 1 || w[5] as usize > PATH_WORDS * 8 {
-            return Err(format!(
+        let refused = || {
+            format!(
                 "a peer's communicator card is not one this handoff version writes ({:x?}); do \
                  all ranks run the same handoff?",
                 &w[..w.len().min(2)]
-            ));
+            )
+        };
+        if w.len() != CARD_WORDS || w[0] != CARD_MAGIC || w[1] > 1 || w[5] as usize > PATH_WORDS * 8 {
+            return Err(refused());
         }
-        let mut bytes: Vec<u8> = w[8..].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let h = HOST_AT;
+        let addr = match (w[h + 5] & 0xff, w[h + 5] >> 24, w[h + 5] >> 8 & 0xffff) {
+            (0, 0, 0) if w[h + 6] == 0 && w[h + 7] == 0 => None,
+            (4, 0, port) if w[h + 6] >> 32 == 0 && w[h + 7] == 0 => Some(std::net::SocketAddr::from((
+                std::net::Ipv4Addr::from_bits(w[h + 6] as u32),
+                port as u16,
+            ))),
+            (6, 0, port) => Some(std::net::SocketAddr::from((
+                std::net::Ipv6Addr::from_bits(join128(&w[h + 6..h + 8])),
+                port as u16,
+            ))),
+            _ => return Err(refused()),
+        };
+        let mut bytes: Vec<u8> = w[PATH_AT..PATH_AT + PATH_WORDS]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         bytes.truncate(w[5] as usize);
         Ok(Card {
             verified: w[1] == 1,
@@ -321,6 +393,12 @@ impl Card {
             token: w[3],
             pid: w[4] as u32,
             path: String::from_utf8(bytes).map_err(|e| format!("a peer's mailbox path: {e}"))?,
+            host: HostId {
+                boot: join128(&w[h..h + 2]),
+                mounts: w[h + 2],
+            },
+            addr,
+            channel_token: join128(&w[h + 3..h + 5]),
         })
     }
 }
@@ -501,6 +579,12 @@ mod tests {
             token: 0xdead_beef_1234,
             pid: 4242,
             path: "/dev/shm/handoff-4242-abc-r3".into(),
+            host: HostId {
+                boot: 0x1234_5678_9abc_def0_1122_3344_5566_7788,
+                mounts: 4026531832,
+            },
+            addr: Some("10.77.0.1:47001".parse().unwrap()),
+            channel_token: u128::MAX - 5,
         };
         assert_eq!(Card::decode(&c.encode().unwrap()).unwrap(), c);
         let e = Card::decode(&[1; CARD_WORDS]).unwrap_err();
@@ -510,6 +594,14 @@ mod tests {
             ..c
         };
         assert!(long.encode().is_err());
+        for addr in [None, Some("[fe80::1]:9".parse().unwrap())] {
+            let c = Card { addr, ..c.clone() };
+            assert_eq!(Card::decode(&c.encode().unwrap()).unwrap(), c);
+        }
+        // An address family or port word no handoff writes.
+        let mut w = c.encode().unwrap();
+        w[HOST_AT + 5] |= 1 << 40;
+        assert!(Card::decode(&w).is_err());
     }
 
     fn card(rank: u32, world: u32, verified: bool) -> Card {
@@ -519,7 +611,7 @@ mod tests {
             world,
             token: 1,
             pid: 1,
-            path: String::new(),
+            ..Card::default()
         }
     }
 

@@ -1,0 +1,452 @@
+//! The channel and its handshake between two ranks of this process over loopback TCP: what
+//! verification sees through mirrors, and what it does with a peer that lies, stops reading,
+//! or is not a rank. (Two processes on two network namespaces: `tests/hosts.rs`.)
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::auth::{self, Keys, Pair};
+use super::channel::{Channel, Connection, frame_for_test, now_ms};
+use super::mailbox::{BROKEN, Region};
+use super::wire::{CollDesc, CollKind, Dir, NONE, OpDesc, P2P};
+use super::{CollOps, Failure, Mailboxes, PairOps, verify};
+
+const T0: u128 = 0x1111_2222_3333_4444_5555_6666_7777_8888;
+const T1: u128 = 0x9999_aaaa_bbbb_cccc_dddd_eeee_ffff_0000;
+
+fn pair() -> Pair {
+    Pair {
+        server: 0,
+        client: 1,
+        world: 2,
+        server_token: T0,
+        client_token: T1,
+    }
+}
+
+fn deadline(ms: u64) -> Instant {
+    Instant::now() + Duration::from_millis(ms)
+}
+
+/// Rank 0 serves on loopback with `server_secret`; `client` runs against its address.
+fn handshake<C: Send + 'static>(
+    server_secret: Option<&'static [u8]>,
+    client: impl FnOnce(SocketAddr) -> C + Send + 'static,
+) -> (Result<(usize, TcpStream, Keys), String>, C) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let c = std::thread::spawn(move || client(addr));
+    let (s, _) = l.accept().unwrap();
+    let token_of = |c: usize| (c == 1).then_some(T1);
+    let served = auth::serve(s, 0, 2, T0, &token_of, server_secret, deadline(2_000));
+    (served, c.join().unwrap())
+}
+
+/// Two ranks joined by the channel: each one's own region forwards to the other's mirror.
+fn two(secret: Option<&'static [u8]>, timeout: Duration) -> [Mailboxes; 2] {
+    let (served, connected) = handshake(secret, move |addr| {
+        auth::connect(addr, pair(), secret, deadline(2_000))
+    });
+    let (_, s_stream, s_keys) = served.unwrap();
+    let (c_stream, c_keys) = connected.unwrap();
+    let side = |me: usize, stream: TcpStream, keys: Keys| {
+        let peer = 1 - me;
+        let (channel, mirrors) = Channel::start(
+            me,
+            2,
+            vec![Connection {
+                rank: peer,
+                stream,
+                keys,
+            }],
+            timeout,
+        )
+        .unwrap();
+        let own = Region::in_process(2, me);
+        own.install_channel(channel);
+        let mut regions: Vec<Arc<Region>> = vec![Arc::new(own), mirrors[0].1.clone()];
+        if me == 1 {
+            regions.swap(0, 1);
+        }
+        Mailboxes::new(me, regions.into())
+    };
+    [side(0, s_stream, s_keys), side(1, c_stream, c_keys)]
+}
+
+fn ops<'a>(boxes: &'a Mailboxes, sends: &[u64], recvs: &[u64], timeout: Duration) -> PairOps<'a> {
+    let op = |&count: &u64| OpDesc {
+        count,
+        dtype: 7,
+        captured: false,
+        part: P2P,
+    };
+    PairOps {
+        boxes,
+        peer: 1 - boxes.rank,
+        sends: sends.iter().map(op).collect(),
+        recvs: recvs.iter().map(op).collect(),
+        local: false,
+        timeout,
+    }
+}
+
+const SECOND: Duration = Duration::from_secs(1);
+
+#[test]
+fn operations_and_collectives_are_checked_through_mirrors_and_a_mismatch_fails_both() {
+    for secret in [None, Some(&b"job secret"[..])] {
+        let [a, b] = two(secret, 5 * SECOND);
+        // Far more than a ring holds, grouped differently on each side.
+        let counts: Vec<u64> = (1..=300).collect();
+        let sent = counts.clone();
+        let ta = std::thread::spawn(move || {
+            let r = verify(&[ops(&a, &sent, &[7], 5 * SECOND)], &[]);
+            (r, a)
+        });
+        let tb = std::thread::spawn(move || {
+            let mut r = verify(&[ops(&b, &[7], &[], 5 * SECOND)], &[]);
+            for c in &counts {
+                r = r.and_then(|()| verify(&[ops(&b, &[], &[*c], 5 * SECOND)], &[]));
+            }
+            (r, b)
+        });
+        let (ra, a) = ta.join().unwrap();
+        let (rb, b) = tb.join().unwrap();
+        ra.unwrap();
+        rb.unwrap();
+        // Collectives, past the ring too.
+        let coll = |n: u64| CollDesc {
+            kind: CollKind::AllGather,
+            count: n,
+            dtype: 7,
+            redop: NONE,
+            root: NONE,
+            captured: false,
+        };
+        let colls: Vec<CollDesc> = (1..=100).map(coll).collect();
+        let c2 = colls.clone();
+        let c = |boxes: &Mailboxes, v: &[CollDesc]| {
+            verify(
+                &[],
+                &[CollOps {
+                    boxes,
+                    ops: v.into(),
+                    local: false,
+                    timeout: 5 * SECOND,
+                }],
+            )
+        };
+        let ta = std::thread::spawn(move || (c(&a, &colls), a));
+        let tb = std::thread::spawn(move || (c(&b, &c2), b));
+        let (ra, a) = ta.join().unwrap();
+        let (rb, b) = tb.join().unwrap();
+        ra.unwrap();
+        rb.unwrap();
+        // The measured mismatch: both ranks refuse it, naming both counts. (Each first sees
+        // that the other checked its 300 operations: a rank whose ring is still full finds
+        // the mismatch before it can publish, and its peer then sees it broken instead.)
+        let until = deadline(2_000);
+        while a.regions[1].checked(0, Dir::Send) < 300 || b.regions[0].checked(1, Dir::Recv) < 300 {
+            assert!(Instant::now() < until, "the checked counters did not arrive");
+            std::thread::yield_now();
+        }
+        let ta = std::thread::spawn(move || verify(&[ops(&a, &[4_194_304], &[], 5 * SECOND)], &[]));
+        let tb = std::thread::spawn(move || verify(&[ops(&b, &[], &[3_145_728], 5 * SECOND)], &[]));
+        for r in [ta.join().unwrap(), tb.join().unwrap()] {
+            assert!(
+                matches!(&r, Err(Failure::Mismatch(m)) if m.contains("4194304") && m.contains("3145728")),
+                "{secret:?}: {r:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn heartbeats_and_broken_notes_cross_and_a_closed_peer_reads_as_broken() {
+    let [a, b] = two(None, 5 * SECOND);
+    let now = now_ms();
+    b.regions[1].set_heartbeat(now, true);
+    let until = deadline(2_000);
+    while !a.regions[1].busy_and_alive(now_ms(), 1_000) {
+        assert!(Instant::now() < until, "the heartbeat did not arrive");
+        std::thread::yield_now();
+    }
+    b.regions[1].set_broken();
+    let r = verify(&[ops(&a, &[4], &[], 5 * SECOND)], &[]);
+    assert_eq!(r, Err(Failure::PeerBroken(1)));
+    // Dropping a rank's own region ends its receiver and closes the connection: the other's
+    // mirror reads as broken at once.
+    let [c, d] = two(None, 5 * SECOND);
+    let t = Instant::now();
+    drop(d);
+    assert!(t.elapsed() < SECOND, "dropping waited {:?}", t.elapsed());
+    let r = verify(&[ops(&c, &[4], &[], 5 * SECOND)], &[]);
+    assert_eq!(r, Err(Failure::PeerBroken(1)));
+    assert!(t.elapsed() < 2 * SECOND);
+}
+
+/// A client that passed the handshake as rank 1, then writes `bytes` raw.
+fn raw_peer(bytes: impl FnOnce(&Keys) -> Vec<u8> + Send + 'static) -> (Mailboxes, TcpStream) {
+    let (served, connected) = handshake(None, move |addr| {
+        let (mut s, keys) = auth::connect(addr, pair(), None, deadline(2_000)).unwrap();
+        s.write_all(&bytes(&keys)).unwrap();
+        s
+    });
+    let (_, stream, keys) = served.unwrap();
+    let (channel, mirrors) = Channel::start(
+        0,
+        2,
+        vec![Connection {
+            rank: 1,
+            stream,
+            keys,
+        }],
+        5 * SECOND,
+    )
+    .unwrap();
+    let own = Region::in_process(2, 0);
+    own.install_channel(channel);
+    (
+        Mailboxes::new(0, vec![Arc::new(own), mirrors[0].1.clone()].into()),
+        connected,
+    )
+}
+
+#[test]
+fn forged_replayed_or_unknown_frames_end_the_connection() {
+    let publish = |index: u64, count: u64| {
+        let [w0, w1] = OpDesc {
+            count,
+            dtype: 7,
+            captured: false,
+            part: P2P,
+        }
+        .encode();
+        [1, 1, index, w0, w1]
+    };
+    type Bytes = Box<dyn FnOnce(&Keys) -> Vec<u8> + Send>;
+    let cases: Vec<(&str, Bytes)> = vec![
+        (
+            "honest",
+            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, publish(0, 4))),
+        ),
+        (
+            "a flipped bit",
+            Box::new(move |k: &Keys| {
+                let mut f = frame_for_test(&k.send, 0, publish(0, 4));
+                f[24] ^= 1;
+                f
+            }),
+        ),
+        (
+            "a replayed frame",
+            Box::new(move |k: &Keys| {
+                let f = frame_for_test(&k.send, 0, publish(0, 4));
+                [f.clone(), f].concat()
+            }),
+        ),
+        (
+            "the wrong key",
+            Box::new(move |k: &Keys| frame_for_test(&k.recv, 0, publish(0, 4))),
+        ),
+        (
+            "an unknown kind",
+            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, [99, 0, 0, 0, 0])),
+        ),
+        (
+            "a bad direction",
+            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, [1, 2, 0, 4, 7])),
+        ),
+        (
+            "entry u64::MAX",
+            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, publish(u64::MAX, 4))),
+        ),
+        (
+            "half a frame",
+            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, publish(0, 4))[..30].to_vec()),
+        ),
+    ];
+    for (what, bytes) in cases {
+        let (a, peer) = raw_peer(bytes);
+        let wanted = if what == "a replayed frame" { 2 } else { 1 };
+        // The honest frame publishes a receive of 4 (the replay: then a second one, refused).
+        let r = verify(
+            &[ops(&a, &vec![4; wanted], &[], 300 * Duration::from_millis(1))],
+            &[],
+        );
+        drop(peer);
+        match what {
+            "honest" => assert_eq!(r, Ok(()), "{what}"),
+            "a replayed frame" | "half a frame" => {
+                // Dropping the peer closed the connection: broken either way, never accepted.
+                assert!(
+                    matches!(r, Err(Failure::PeerBroken(1) | Failure::Timeout { .. })),
+                    "{what}: {r:?}"
+                )
+            }
+            _ => assert_eq!(r, Err(Failure::PeerBroken(1)), "{what}"),
+        }
+    }
+}
+
+#[test]
+fn a_replayed_frame_is_refused_while_the_connection_stays_open() {
+    let publish = |index: u64| {
+        let [w0, w1] = OpDesc {
+            count: 4,
+            dtype: 7,
+            captured: false,
+            part: P2P,
+        }
+        .encode();
+        [1, 1, index, w0, w1]
+    };
+    let (a, peer) = raw_peer(move |k| {
+        [
+            frame_for_test(&k.send, 0, publish(0)),
+            frame_for_test(&k.send, 0, publish(1)),
+        ]
+        .concat()
+    });
+    let r = verify(&[ops(&a, &[4, 4], &[], 2 * SECOND)], &[]);
+    assert_eq!(
+        r,
+        Err(Failure::PeerBroken(1)),
+        "the second frame reused sequence number 0"
+    );
+    assert_eq!(a.regions[1].status(), BROKEN);
+    drop(peer);
+}
+
+#[test]
+fn a_peer_that_stops_reading_bounds_the_writer_by_the_timeout() {
+    // The peer's side is a raw connection that never reads: its socket buffers fill.
+    let (served, connected) = handshake(None, |addr| {
+        auth::connect(addr, pair(), None, deadline(2_000)).unwrap()
+    });
+    let (_, stream, keys) = served.unwrap();
+    let timeout = Duration::from_millis(300);
+    let (channel, mirrors) = Channel::start(
+        0,
+        2,
+        vec![Connection {
+            rank: 1,
+            stream,
+            keys,
+        }],
+        timeout,
+    )
+    .unwrap();
+    let own = Region::in_process(2, 0);
+    own.install_channel(channel);
+    let mirror = mirrors[0].1.clone();
+    let mut longest = Duration::ZERO;
+    let started = Instant::now();
+    let mut n = 0u64;
+    while mirror.status() != BROKEN {
+        assert!(
+            started.elapsed() < 60 * SECOND,
+            "the socket never filled ({n} frames)"
+        );
+        let t = Instant::now();
+        own.set_checked(1, Dir::Send, n);
+        longest = longest.max(t.elapsed());
+        // The watchdog's heartbeat never waits, full socket or not.
+        let t = Instant::now();
+        own.set_heartbeat(n, false);
+        assert!(
+            t.elapsed() < Duration::from_millis(50),
+            "a heartbeat waited {:?}",
+            t.elapsed()
+        );
+        n += 1;
+    }
+    assert!(
+        longest >= timeout && longest < timeout + SECOND,
+        "the full socket's wait was {longest:?} (timeout {timeout:?}, {n} frames)"
+    );
+    eprintln!("channel: a peer that stopped reading took {n} frames, then one waited {longest:?}");
+    drop(connected);
+}
+
+#[test]
+fn the_handshake_refuses_who_cannot_prove_it_is_a_rank() {
+    // Wrong channel token (a process that saw the address but not the card).
+    let wrong = Pair {
+        client_token: T1 ^ 1,
+        ..pair()
+    };
+    let (s, c) = handshake(None, move |addr| {
+        auth::connect(addr, wrong, None, deadline(2_000)).map(drop)
+    });
+    assert!(s.is_err(), "the server accepted a wrong token");
+    assert!(
+        c.unwrap_err().contains("could not prove"),
+        "the client took the server's proof"
+    );
+    // A rank that is not expected.
+    let stranger = Pair { client: 5, ..pair() };
+    let (s, c) = handshake(None, move |addr| {
+        auth::connect(addr, stranger, None, deadline(2_000)).map(drop)
+    });
+    assert!(s.err().unwrap().contains("not a peer this rank expects"));
+    assert!(c.unwrap_err().contains("refused"));
+    // Different secrets, and a secret on one side only.
+    let (s, c) = handshake(Some(b"one"), |addr| {
+        auth::connect(addr, pair(), Some(b"two"), deadline(2_000)).map(drop)
+    });
+    assert!(s.is_err());
+    assert!(c.unwrap_err().contains("could not prove"));
+    let (s, c) = handshake(Some(b"one"), |addr| {
+        auth::connect(addr, pair(), None, deadline(2_000)).map(drop)
+    });
+    assert!(s.err().unwrap().contains("differ on having a shared secret"));
+    assert!(c.unwrap_err().contains("has a shared secret"));
+    // Garbage, and a right hello with a guessed proof.
+    let (s, _) = handshake(None, |addr| {
+        let mut t = TcpStream::connect(addr).unwrap();
+        t.write_all(&[0xab; 200]).unwrap();
+    });
+    assert!(s.err().unwrap().contains("not a handoff hello"));
+    let (s, _) = handshake(None, |addr| {
+        let mut t = TcpStream::connect(addr).unwrap();
+        let mut hello = 0x4844_4f46_4656_4331u64.to_le_bytes().to_vec();
+        for w in [1u32, 0, 2, 0] {
+            hello.extend_from_slice(&w.to_le_bytes());
+        }
+        hello.extend_from_slice(&[0; 32]);
+        t.write_all(&hello).unwrap();
+        let mut reply = [0u8; 80];
+        t.read_exact(&mut reply).unwrap();
+        t.write_all(&[0; 32]).unwrap();
+        let mut rest = Vec::new();
+        let _ = t.read_to_end(&mut rest);
+        rest
+    });
+    assert!(s.err().unwrap().contains("could not prove"));
+}
+
+#[test]
+fn a_trickling_client_is_cut_off_at_the_deadline() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let trickle = std::thread::spawn(move || {
+        let mut t = TcpStream::connect(addr).unwrap();
+        for _ in 0..40 {
+            if t.write_all(&[0x48]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    let (s, _) = l.accept().unwrap();
+    let t = Instant::now();
+    let token_of = |_: usize| Some(T1);
+    let r = auth::serve(s, 0, 2, T0, &token_of, None, deadline(500));
+    let took = t.elapsed();
+    assert!(r.is_err());
+    assert!(took < Duration::from_millis(800), "held for {took:?}");
+    trickle.join().unwrap();
+}
