@@ -132,6 +132,19 @@ const NCCL_FUNCTIONS: &[&str] = &[
     "ncclRedOpDestroy",
 ];
 
+/// The NCCL functions of registered memory and symmetric windows (`src/nccl/register.rs`). They
+/// get a library struct of their own (`nccl::register::NcclRegisterLib`, opened from the same
+/// file as `NcclLib`), so that an NCCL without them still loads and only these features fail,
+/// with a typed error naming the version they need, instead of `NcclLib` refusing the library.
+const NCCL_REGISTER_FUNCTIONS: &[&str] = &[
+    "ncclMemAlloc",
+    "ncclMemFree",
+    "ncclCommRegister",
+    "ncclCommDeregister",
+    "ncclCommWindowRegister",
+    "ncclCommWindowDeregister",
+];
+
 /// What to do with the committed copies, besides using them where generating is not possible.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -637,7 +650,19 @@ fn generate_nccl(includes: &[PathBuf]) -> String {
     for f in NCCL_FUNCTIONS {
         b = b.allowlist_function(f);
     }
-    generated_text(b.generate(), "NCCL")
+    let main = generated_text(b.generate(), "NCCL");
+    // Only the functions: their types are the ones generated above, reached through `super`.
+    let mut r = builder(includes, "#include <nccl.h>\n")
+        .dynamic_library_name("NcclRegisterLib")
+        .allowlist_recursively(false);
+    for f in NCCL_REGISTER_FUNCTIONS {
+        r = r.allowlist_function(f);
+    }
+    let register = generated_text(r.generate(), "NCCL registration");
+    format!(
+        "{main}\n/// The functions of registered memory and windows, loaded apart (see `build.rs`).\n\
+         pub mod register {{\n    use super::*;\n{register}}}\n"
+    )
 }
 
 /// Every `kernels/*.cu`, as (file stem, path), sorted.

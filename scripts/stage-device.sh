@@ -43,7 +43,7 @@ cargo bench --no-run 2>&1 | tee /dev/stderr | executables | while IFS='|' read -
   case "$src" in benches/*) cp "$exe" "$stage/benches/$(basename "${src%.rs}")" ;; esac
 done
 
-RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu --test comm --test collectives --test graphs --test reliability --test threads --test user --test host --test cudarc --features cudarc
+RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu --test comm --test collectives --test graphs --test reliability --test threads --test user --test host --test cudarc --test registered --features cudarc
 
 du -sh "$stage"
 ls -l "$stage"/*

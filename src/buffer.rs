@@ -22,6 +22,11 @@ use crate::tracking::Access;
 /// does not block: the free is queued on the device's internal stream after every pending use
 /// (`cudaFreeAsync`), so the memory cannot be handed out again while the GPU still uses it.
 ///
+/// Memory from `ncclMemAlloc` ([`DeviceBuffer::zeros_nccl`]), which NCCL's registered paths
+/// and symmetric windows want, is tracked the same way. `ncclMemFree` is not stream-ordered, so
+/// a dropped buffer of it hands its memory, with the events of its pending uses, to a thread of
+/// handoff's that frees it once they have all completed: dropping does not block either.
+///
 /// Host copies ([`DeviceBuffer::to_vec`], [`DeviceBuffer::copy_from_slice`]) block until the copy
 /// has completed, and a copy to the host waits for the last write first.
 pub struct DeviceBuffer<T: Pod> {
@@ -29,7 +34,31 @@ pub struct DeviceBuffer<T: Pod> {
     len: usize,
     tracked: Tracked,
     device: Device,
+    alloc: Alloc,
+    pub(crate) registrations: Registrations,
     _marker: PhantomData<T>,
+}
+
+/// Where a buffer's memory came from, which decides how it is freed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Alloc {
+    /// The device's stream-ordered pool (`cudaMallocAsync`), freed with `cudaFreeAsync`.
+    Pool,
+    /// `ncclMemAlloc`, freed with `ncclMemFree` once every use has completed
+    /// ([`crate::nccl::memory`]).
+    Nccl,
+}
+
+/// The NCCL registrations of a buffer's memory ([`crate::nccl::register`]): kept by the
+/// registrations through their exclusive borrow of the buffer. Anything but zero when the buffer
+/// is dropped means a registration was forgotten (`mem::forget`): NCCL may still use the memory,
+/// so it is leaked, never freed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Registrations {
+    /// `ncclCommRegister`s and windows alive.
+    pub(crate) count: usize,
+    /// Whether one of them is a window (a second would be undefined in NCCL).
+    pub(crate) window: bool,
 }
 
 // SAFETY: the buffer owns its device memory; the tracker is behind a mutex, and CUDA calls on
@@ -44,6 +73,7 @@ impl<T: Pod> std::fmt::Debug for DeviceBuffer<T> {
             .field("type", &std::any::type_name::<T>())
             .field("len", &self.len)
             .field("device", &self.device.ordinal())
+            .field("nccl_alloc", &(self.alloc == Alloc::Nccl))
             .finish()
     }
 }
@@ -73,6 +103,8 @@ impl<T: Pod> DeviceBuffer<T> {
             len: 0,
             tracked: Tracked::new(&device),
             device,
+            alloc: Alloc::Pool,
+            registrations: Registrations::default(),
             _marker: PhantomData,
         };
         if bytes > 0 {
@@ -91,6 +123,68 @@ impl<T: Pod> DeviceBuffer<T> {
         }
         buf.len = len;
         Ok(buf)
+    }
+
+    /// Allocates `len` elements with `ncclMemAlloc` on `stream`'s device, uninitialised (any bit
+    /// pattern is a valid `T`).
+    fn alloc_nccl(stream: &Stream, len: usize) -> Result<Self> {
+        let bytes = byte_len::<T>(len)?;
+        let device = stream.device().clone();
+        let mut buf = DeviceBuffer {
+            ptr: std::ptr::NonNull::<T>::dangling().as_ptr(),
+            len: 0,
+            tracked: Tracked::new(&device),
+            device,
+            alloc: Alloc::Nccl,
+            registrations: Registrations::default(),
+            _marker: PhantomData,
+        };
+        if bytes > 0 {
+            // Usable by every stream once it returns; recorded as a write on `stream` so that
+            // it goes the way of `alloc` (refused in a capture, which cannot hold it).
+            let work = crate::engine::Work::Uncapturable {
+                what: "allocating a buffer",
+            };
+            let ptr = stream.enqueue_work(&[(&buf.tracked, Access::Write)], work, |_| {
+                crate::nccl::memory::alloc(stream.device(), bytes)
+            })?;
+            buf.ptr = ptr.cast::<T>();
+        }
+        buf.len = len;
+        Ok(buf)
+    }
+
+    /// As [`DeviceBuffer::zeros`], with memory from `ncclMemAlloc`: CUDA virtual memory
+    /// (`cuMemCreate`) that NCCL can map into its peers' address spaces, which its registered
+    /// paths ([`Communicator::register`](crate::Communicator::register)) and symmetric windows
+    /// ([`Communicator::register_window`](crate::Communicator::register_window)) need. Tracked
+    /// like any buffer; dropped, it is freed (`ncclMemFree`) once its last use has completed,
+    /// without blocking. NCCL rounds the size up to the allocation granularity (2 MiB on an
+    /// H200): prefer few large buffers.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::zeros`]; [`Error::Unsupported`] when the loaded NCCL lacks
+    /// `ncclMemAlloc`; NCCL errors.
+    pub fn zeros_nccl(stream: &Stream, len: usize) -> Result<Self> {
+        let mut buf = Self::alloc_nccl(stream, len)?;
+        buf.memset_zero(stream)?;
+        Ok(buf)
+    }
+
+    /// As [`DeviceBuffer::from_slice`], with memory from `ncclMemAlloc` (see
+    /// [`DeviceBuffer::zeros_nccl`]).
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::zeros_nccl`] and [`DeviceBuffer::from_slice`].
+    pub fn from_slice_nccl(stream: &Stream, data: &[T]) -> Result<Self> {
+        let mut buf = Self::alloc_nccl(stream, data.len())?;
+        buf.copy_from_slice(stream, data)?;
+        Ok(buf)
+    }
+
+    /// Whether the memory came from `ncclMemAlloc` ([`DeviceBuffer::zeros_nccl`]).
+    pub fn is_nccl_alloc(&self) -> bool {
+        self.alloc == Alloc::Nccl
     }
 
     /// A buffer of `len` zeroed elements, allocated and zeroed in order on `stream`. Returns
@@ -204,18 +298,29 @@ impl<T: Pod> DeviceBuffer<T> {
             len,
             tracked: Tracked::new(device),
             device: device.clone(),
+            alloc: Alloc::Pool,
+            registrations: Registrations::default(),
             _marker: PhantomData,
         }
     }
 
     /// Gives the memory up without freeing it, after `wait` has been called with every pending
     /// use's event (to order the new owner after them); on an error from `wait`, the buffer is
-    /// dropped the handoff way (freed after its uses).
+    /// dropped the handoff way (freed after its uses). Only pool memory can be given up (the new
+    /// owner frees it with `cuMemFreeAsync`): memory from `ncclMemAlloc` is refused, and so
+    /// dropped the handoff way.
     #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
     pub(crate) fn into_raw_parts(
         mut self,
         mut wait: impl FnMut(&crate::device::PooledEvent) -> Result<()>,
     ) -> Result<(*mut T, usize)> {
+        if self.alloc != Alloc::Pool {
+            return Err(Error::InvalidArgument(
+                "memory from ncclMemAlloc (DeviceBuffer::zeros_nccl) cannot be given to cudarc, \
+                 which would free it with cuMemFreeAsync; copy it into a DeviceBuffer::zeros first"
+                    .into(),
+            ));
+        }
         {
             // One lock for the waits and the retirement: a graph's replay is either recorded
             // before (and waited for here) or refused after.
@@ -235,23 +340,48 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 
     /// Frees the memory in stream order after every pending use, reporting errors that `Drop`
-    /// has to swallow.
+    /// has to swallow. Memory from `ncclMemAlloc` is freed here and now, after the host has
+    /// waited for every pending use.
     ///
     /// # Errors
-    /// CUDA errors. The memory is then leaked rather than freed while it may be in use.
+    /// CUDA errors; NCCL's from `ncclMemFree`; [`Error::InvalidArgument`] for memory that a
+    /// forgotten (`mem::forget`) registration or window may still let NCCL use. The memory is
+    /// then leaked rather than freed while it may be in use.
     pub fn free(mut self) -> Result<()> {
-        let r = self.release();
+        let r = self.release(true);
         // Released (or deliberately leaked): `Drop` must not free again, but still drops the
         // tracker and the device handle.
         self.len = 0;
         r
     }
 
-    fn release(&mut self) -> Result<()> {
+    /// Frees the memory after every pending use; for `ncclMemAlloc` memory, on the host after
+    /// waiting for them if `wait`, else through the reaper without blocking.
+    fn release(&mut self, wait: bool) -> Result<()> {
         // Retired: a graph that captured a use of the buffer can no longer queue one.
         let pending = self.tracked.lock().retire();
         if self.byte_len() == 0 {
             return Ok(());
+        }
+        if self.registrations != Registrations::default() {
+            return Err(Error::InvalidArgument(format!(
+                "a buffer of {} bytes was dropped while NCCL may still use it (a registration \
+                 or window of it was forgotten with mem::forget): its memory is leaked",
+                self.byte_len()
+            )));
+        }
+        if self.alloc == Alloc::Nccl {
+            let ptr = self.ptr.cast();
+            return if wait {
+                // SAFETY: from ncclMemAlloc, freed once (the caller then leaves the buffer
+                // empty); unregistered (checked above); retired, and every pending use is in
+                // `pending`.
+                unsafe { crate::nccl::memory::free_now(ptr, &pending) }
+            } else {
+                // SAFETY: as above.
+                unsafe { crate::nccl::memory::free_after(ptr, pending) };
+                Ok(())
+            };
         }
         let inner = &self.device.inner;
         cu::ensure_device(inner.ordinal)?;
@@ -269,7 +399,7 @@ impl<T: Pod> DeviceBuffer<T> {
 impl<T: Pod> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         // Errors leak the memory (see `release`); `free` reports them.
-        let _ = self.release();
+        let _ = self.release(false);
     }
 }
 

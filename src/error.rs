@@ -224,6 +224,22 @@ pub enum Error {
     /// An argument was rejected before any CUDA or NCCL call was made.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+
+    /// The loaded NCCL lacks a feature (an older NCCL, or a build without it); nothing was done.
+    #[error(
+        "{feature} needs {needs}, which the loaded NCCL ({loaded}) lacks: {detail}. Install a \
+         newer NCCL, or set HANDOFF_NCCL_PATH to one"
+    )]
+    Unsupported {
+        /// What was asked for.
+        feature: &'static str,
+        /// The NCCL version (and functions) it needs.
+        needs: &'static str,
+        /// The loaded library: its file and `ncclGetVersion`.
+        loaded: String,
+        /// What is missing.
+        detail: String,
+    },
 }
 
 /// The crate's result type.

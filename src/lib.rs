@@ -202,6 +202,9 @@ pub use error::{Error, Result};
 pub use graph::Graph;
 pub use host::HostBuffer;
 pub use module::{ByValue, Function, KernelArg, LaunchBuilder, LaunchConfig, Module};
-pub use nccl::{CommOptions, Communicator, Group, NcclType, ReduceOp, UniqueId, group};
+pub use nccl::{
+    CommOptions, Communicator, CtaPolicy, Group, NcclType, ReduceOp, Registration, UniqueId, Window, group,
+    pending_nccl_frees,
+};
 pub use stream::{Event, RawUse, Stream};
 pub use view::{View, ViewMut};

@@ -76,6 +76,9 @@ pub(crate) struct Shared {
     pub(crate) state: Mutex<State>,
     pub(crate) rank: usize,
     pub(crate) ordinal: i32,
+    /// Window registrations attempted on this rank, each exchanged with every rank
+    /// ([`crate::nccl::register`]): the next one's number.
+    pub(crate) windows: std::sync::atomic::AtomicU64,
 }
 
 pub(crate) struct State {
@@ -277,6 +280,7 @@ impl Communicator {
             }),
             rank,
             ordinal: device.ordinal() as i32,
+            windows: std::sync::atomic::AtomicU64::new(0),
         });
         Communicator {
             shared,
@@ -469,7 +473,7 @@ impl Communicator {
 
     /// `words` from every rank, in rank order, through `ncclAllGather` on an internal stream,
     /// waited for with the communicator's timeout.
-    fn all_gather_words(&self, words: &[u64]) -> Result<Vec<u64>> {
+    pub(crate) fn all_gather_words(&self, words: &[u64]) -> Result<Vec<u64>> {
         let stream = Stream::new(&self.device)?;
         let send = DeviceBuffer::from_slice(&stream, words)?;
         let mut all = DeviceBuffer::<u64>::zeros(&stream, words.len() * self.world)?;

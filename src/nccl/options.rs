@@ -16,6 +16,39 @@ pub struct CommOptions {
     timeout: Duration,
     blocking: bool,
     verified: bool,
+    cta_policy: Option<CtaPolicy>,
+}
+
+/// NCCL's CTA policy (`ncclConfig_t::CTAPolicy`): how many thread blocks (CTAs) its
+/// collectives may take from the GPU.
+///
+/// The environment variable `NCCL_CTA_POLICY` overrides it (NCCL 2.28 reads the variable after
+/// the config).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CtaPolicy {
+    /// NCCL's default (`NCCL_CTA_POLICY_DEFAULT`): CTAs for bandwidth.
+    Default,
+    /// Fewer CTAs where registered buffers let NCCL keep the bandwidth
+    /// (`NCCL_CTA_POLICY_EFFICIENCY`).
+    Efficiency,
+    /// No CTAs where NCCL can avoid them (`NCCL_CTA_POLICY_ZERO`): on NCCL 2.28, all-gather,
+    /// all-to-all, gather and scatter whose send and receive buffers both lie in symmetric
+    /// windows ([`Communicator::register_window`](crate::Communicator::register_window)), on a
+    /// communicator of one node, of more than one rank, whose GPUs all reach each other directly,
+    /// run on the copy engines (driver 12.5 or newer). Other collectives run as usual.
+    Zero,
+}
+
+impl CtaPolicy {
+    fn code(self) -> i32 {
+        use crate::sys::nccl as n;
+        let code = match self {
+            CtaPolicy::Default => n::NCCL_CTA_POLICY_DEFAULT,
+            CtaPolicy::Efficiency => n::NCCL_CTA_POLICY_EFFICIENCY,
+            CtaPolicy::Zero => n::NCCL_CTA_POLICY_ZERO,
+        };
+        code as i32
+    }
 }
 
 impl Default for CommOptions {
@@ -25,6 +58,7 @@ impl Default for CommOptions {
             timeout: Duration::from_secs(120),
             blocking: true,
             verified: true,
+            cta_policy: None,
         }
     }
 }
@@ -82,6 +116,24 @@ impl CommOptions {
         self
     }
 
+    /// NCCL's CTA policy for the communicator ([`CtaPolicy`]); unset, NCCL chooses
+    /// (`NCCL_CTA_POLICY`, else its default).
+    ///
+    /// ```
+    /// use handoff::{CommOptions, CtaPolicy};
+    /// let options = CommOptions::default().with_cta_policy(CtaPolicy::Zero);
+    /// assert_eq!(options.cta_policy(), Some(CtaPolicy::Zero));
+    /// ```
+    pub fn with_cta_policy(mut self, policy: CtaPolicy) -> Self {
+        self.cta_policy = Some(policy);
+        self
+    }
+
+    /// The CTA policy ([`CommOptions::with_cta_policy`]), if set.
+    pub fn cta_policy(&self) -> Option<CtaPolicy> {
+        self.cta_policy
+    }
+
     /// The timeout ([`CommOptions::with_timeout`]).
     pub fn timeout(&self) -> Duration {
         self.timeout
@@ -101,6 +153,9 @@ impl CommOptions {
     pub(crate) fn config(&self) -> crate::sys::nccl::ncclConfig_t {
         let mut config = nc::config_initializer();
         config.blocking = i32::from(self.blocking);
+        if let Some(p) = self.cta_policy {
+            config.CTAPolicy = p.code();
+        }
         config
     }
 }
@@ -118,5 +173,22 @@ mod tests {
         assert!(CommOptions::nonblocking(Duration::from_secs(3)).verified());
         // SAFETY: not used to make a communicator.
         assert!(!unsafe { CommOptions::default().unverified() }.verified());
+    }
+
+    #[test]
+    fn cta_policy_reaches_the_config_and_unset_leaves_nccls_choice() {
+        // Unset: NCCL_CONFIG_UNDEF_INT, so that NCCL_CTA_POLICY or NCCL's default decides.
+        assert_eq!(CommOptions::default().config().CTAPolicy, i32::MIN);
+        for (p, code) in [
+            (CtaPolicy::Default, 0),
+            (CtaPolicy::Efficiency, 1),
+            (CtaPolicy::Zero, 2),
+        ] {
+            let o = CommOptions::default().with_cta_policy(p);
+            assert_eq!(o.cta_policy(), Some(p));
+            assert_eq!(o.config().CTAPolicy, code);
+            // The other settings are untouched.
+            assert_eq!(o.config().blocking, 1);
+        }
     }
 }

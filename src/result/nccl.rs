@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::sys::cudart::cudaStream_t;
 use crate::sys::loader;
+use crate::sys::nccl::register::NcclRegisterLib;
 use crate::sys::nccl::{
     NcclLib, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclScalarResidence_t,
-    ncclUniqueId,
+    ncclUniqueId, ncclWindow_t,
 };
 
 /// The loaded NCCL.
@@ -541,6 +542,120 @@ pub unsafe fn red_op_create_pre_mul_sum(
 pub unsafe fn red_op_destroy(op: ncclRedOp_t, comm: ncclComm_t) -> Result<()> {
     // SAFETY: the caller vouches for both.
     check("ncclRedOpDestroy", unsafe { lib()?.ncclRedOpDestroy(op, comm) })
+}
+
+/// NCCL's functions of registered memory and windows; [`Error::Unsupported`] when the loaded
+/// NCCL lacks them (see [`loader::nccl_register`]).
+#[inline]
+pub fn register_lib() -> Result<&'static NcclRegisterLib> {
+    loader::nccl_register()
+}
+
+/// `ncclMemAlloc`: `bytes` (> 0) of device memory on the current device, from CUDA's virtual
+/// memory management (`cuMemCreate`, mapped for every peer GPU that can reach it) where NCCL's
+/// cuMem support is on, else from `cudaMalloc` (`NCCL_CUMEM_ENABLE=0`, a driver without it).
+/// Not stream-ordered: usable by every stream at once. Leaking it is safe.
+pub fn mem_alloc(bytes: usize) -> Result<*mut std::ffi::c_void> {
+    let mut ptr = std::ptr::null_mut();
+    // SAFETY: writes one pointer through a valid pointer.
+    check("ncclMemAlloc", unsafe {
+        register_lib()?.ncclMemAlloc(&mut ptr, bytes)
+    })?;
+    if ptr.is_null() {
+        return Err(Error::InvalidArgument(format!(
+            "ncclMemAlloc returned no memory for {bytes} bytes"
+        )));
+    }
+    Ok(ptr)
+}
+
+/// `ncclMemFree`. Not stream-ordered: the memory is unmapped at once.
+///
+/// # Safety
+/// `ptr` came from [`mem_alloc`], is not freed again, no queued or running GPU work uses it,
+/// and no communicator has it registered ([`comm_register`], [`comm_window_register`]).
+pub unsafe fn mem_free(ptr: *mut std::ffi::c_void) -> Result<()> {
+    // SAFETY: the caller vouches for the pointer.
+    check("ncclMemFree", unsafe { register_lib()?.ncclMemFree(ptr) })
+}
+
+/// `ncclCommRegister`: tells `comm` that `bytes` at `ptr` may be used by its operations without
+/// staging copies. Local to this rank in NCCL 2.28 (it fills the communicator's registration
+/// cache; peers exchange handles later, inside the collectives that use the memory). The
+/// handle is null when NCCL registers nothing (`NCCL_LOCAL_REGISTER=0`).
+///
+/// # Safety
+/// `comm` is a live communicator not used concurrently by another thread; the memory is device
+/// memory of its device and stays allocated until [`comm_deregister`] (or the communicator's
+/// destruction) has returned.
+pub unsafe fn comm_register(
+    comm: ncclComm_t,
+    ptr: *mut std::ffi::c_void,
+    bytes: usize,
+) -> Result<*mut std::ffi::c_void> {
+    let mut handle = std::ptr::null_mut();
+    // SAFETY: the caller vouches for the communicator and the memory; writes the handle.
+    check("ncclCommRegister", unsafe {
+        register_lib()?.ncclCommRegister(comm, ptr, bytes, &mut handle)
+    })?;
+    Ok(handle)
+}
+
+/// `ncclCommDeregister`.
+///
+/// # Safety
+/// `handle` came from [`comm_register`] on `comm`, which is live and not used concurrently, and
+/// is not deregistered again; no queued or running operation uses the memory.
+pub unsafe fn comm_deregister(comm: ncclComm_t, handle: *mut std::ffi::c_void) -> Result<()> {
+    // SAFETY: the caller vouches for both.
+    check("ncclCommDeregister", unsafe {
+        register_lib()?.ncclCommDeregister(comm, handle)
+    })
+}
+
+/// `ncclCommWindowRegister` with `flags` (`NCCL_WIN_COLL_SYMMETRIC`): makes `bytes` at `ptr` a
+/// window, mapped into every local peer's address space. Collective in NCCL 2.28: it runs as a
+/// group task that exchanges handles and ends in a barrier of every rank, so every rank calls
+/// it, in the same order, with the same size. `Ok((window, true))` when a non-blocking
+/// communicator answered `ncclInProgress`: poll it with [`wait_ready`] before reading the
+/// window (NCCL writes it when the task runs).
+///
+/// # Safety
+/// `comm` is a live communicator not used concurrently, and no raw group is open on this thread
+/// ([`group_start`]); every rank calls this with the same `bytes` as the same-numbered window
+/// registration of `comm`; the memory is one [`mem_alloc`] allocation (CUDA VMM memory) at an
+/// offset within it that is a multiple of `NCCL_WIN_REQUIRED_ALIGNMENT` (4096), holds `bytes`, and
+/// stays allocated until [`comm_window_deregister`] has returned; it is not already a window of
+/// `comm`. A rank that breaks the collective rules leaves the others waiting in NCCL's barrier,
+/// with no deadline.
+pub unsafe fn comm_window_register(
+    comm: ncclComm_t,
+    ptr: *mut std::ffi::c_void,
+    bytes: usize,
+    flags: i32,
+) -> Result<(ncclWindow_t, bool)> {
+    let mut win: ncclWindow_t = std::ptr::null_mut();
+    // SAFETY: the caller vouches for the communicator, the memory and the collective rules;
+    // NCCL writes the window through a pointer that lives until it is read (after the group,
+    // or after `wait_ready` for a non-blocking communicator: the caller's part).
+    let rc = unsafe { register_lib()?.ncclCommWindowRegister(comm, ptr, bytes, &mut win, flags) };
+    if rc == ncclResult_t::ncclInProgress {
+        return Ok((win, true));
+    }
+    check("ncclCommWindowRegister", rc).map(|()| (win, false))
+}
+
+/// `ncclCommWindowDeregister`: local to this rank in NCCL 2.28 (it unmaps the peers' memory from
+/// this rank's window and drops its registration; it waits on an internal stream of NCCL's).
+///
+/// # Safety
+/// `win` came from [`comm_window_register`] on `comm`, which is live and not used concurrently,
+/// and is not deregistered again; no queued or running operation uses the window.
+pub unsafe fn comm_window_deregister(comm: ncclComm_t, win: ncclWindow_t) -> Result<()> {
+    // SAFETY: the caller vouches for both.
+    check("ncclCommWindowDeregister", unsafe {
+        register_lib()?.ncclCommWindowDeregister(comm, win)
+    })
 }
 
 #[cfg(test)]

@@ -21,7 +21,9 @@
 //!
 //! A library that cannot be opened is an [`Error::LibraryNotFound`] listing every file tried and
 //! why each failed; one that opens but lacks a function the crate calls is an
-//! [`Error::LibraryIncompatible`].
+//! [`Error::LibraryIncompatible`]. NCCL's functions of registered memory and windows are
+//! resolved apart, at their first use ([`nccl_register`]): an NCCL without them still loads, and
+//! only those features fail, with [`Error::Unsupported`].
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -30,6 +32,7 @@ use once_cell::sync::OnceCell;
 
 use super::cudart::CudartLib;
 use super::nccl::NcclLib;
+use super::nccl::register::NcclRegisterLib;
 use crate::error::Error;
 
 /// What the loader needs to know about one library.
@@ -307,6 +310,59 @@ pub fn nccl_path() -> Result<&'static Path, Error> {
         .map_err(Clone::clone)
 }
 
+/// What registered memory and windows need, for [`Error::Unsupported`].
+pub const REGISTER_NEEDS: &str = "NCCL 2.27 or newer (ncclMemAlloc, ncclMemFree, ncclCommRegister and \
+    ncclCommDeregister since 2.19; ncclCommWindowRegister and ncclCommWindowDeregister since 2.27)";
+
+static NCCL_REGISTER_LIB: OnceCell<Result<NcclRegisterLib, Error>> = OnceCell::new();
+
+/// NCCL's functions of registered memory and windows, resolved at the first call from the file
+/// [`nccl`] opened.
+///
+/// # Errors
+/// As [`nccl`]; [`Error::Unsupported`] naming the missing function and the version needed when
+/// the loaded NCCL lacks one; the same error on every call.
+pub fn nccl_register() -> Result<&'static NcclRegisterLib, Error> {
+    NCCL_REGISTER_LIB
+        .get_or_init(|| {
+            let (lib, path) = load_nccl().as_ref().map_err(Clone::clone)?;
+            // SAFETY: the file is the NCCL opened above (opening it again returns the same
+            // handle); the symbols are resolved with the signatures of NCCL 2.28.3's nccl.h.
+            unsafe { open_register(path, nccl_version(lib)) }
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// Resolves the registration functions in `path`, whose `ncclGetVersion` said `version`.
+///
+/// # Safety
+/// `path` is sound to load (see [`open_with`]), and its symbols of these names have the
+/// signatures of NCCL 2.28.3's nccl.h.
+pub unsafe fn open_register(path: &Path, version: Option<i32>) -> Result<NcclRegisterLib, Error> {
+    let unsupported = |detail: String| Error::Unsupported {
+        feature: "registered memory and windows",
+        needs: REGISTER_NEEDS,
+        loaded: match version {
+            Some(v) => format!("{}, version code {v}", path.display()),
+            None => path.display().to_string(),
+        },
+        detail,
+    };
+    // SAFETY: the caller vouches for the file and the signatures.
+    let lib = unsafe { libloading::Library::new(path) }.map_err(|e| unsupported(e.to_string()))?;
+    // SAFETY: as above.
+    unsafe { NcclRegisterLib::from_library(lib) }.map_err(|e| unsupported(e.to_string()))
+}
+
+/// `ncclGetVersion`, if it answers.
+fn nccl_version(lib: &NcclLib) -> Option<i32> {
+    let mut version = 0;
+    // SAFETY: ncclGetVersion writes one int through a valid pointer.
+    let rc = unsafe { lib.ncclGetVersion(&mut version) };
+    (rc.0 == 0).then_some(version)
+}
+
 /// The oldest NCCL the crate accepts: the header it is built against, 2.28.3.
 pub const MIN_NCCL_VERSION: i32 = 22803;
 
@@ -439,6 +495,34 @@ mod tests {
             "{msg}"
         );
         assert!(msg.contains("pip install nvidia-cuda-runtime"), "{msg}");
+    }
+
+    #[test]
+    fn an_nccl_without_registration_is_unsupported_naming_the_version() {
+        // libc has no ncclMemAlloc: an NCCL older than 2.19, or built without it.
+        // SAFETY: libc is already loaded; resolution fails at the first symbol, nothing is called.
+        let err = unsafe { open_register(Path::new("libc.so.6"), Some(21805)) }
+            .map(|_| ())
+            .unwrap_err();
+        let Error::Unsupported {
+            needs,
+            loaded,
+            detail,
+            ..
+        } = &err
+        else {
+            panic!("{err:?}");
+        };
+        assert!(
+            needs.contains("2.27") && needs.contains("ncclCommWindowRegister"),
+            "{needs}"
+        );
+        assert!(
+            loaded.contains("libc.so.6") && loaded.contains("21805"),
+            "{loaded}"
+        );
+        assert!(detail.contains("ncclMemAlloc"), "{detail}");
+        assert!(err.to_string().contains("HANDOFF_NCCL_PATH"), "{err}");
     }
 
     #[test]

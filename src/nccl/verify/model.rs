@@ -28,8 +28,11 @@
 //! (a send and a receive with one peer grouped on one side and posted one after the other on
 //! the other side), which the watchdog bounds.
 //!
-//! NCCL's copy-engine collectives over symmetric windows (`ceCollTaskAppend`) bypass the
-//! queues; handoff does not post over windows.
+//! NCCL's copy-engine collectives bypass the queues: all_gather, all_to_all, gather and scatter
+//! whose buffers both lie in symmetric windows, on a one-node communicator with symmetric
+//! support and the zero-CTA policy (`taskAppend`, the `ceCollTaskAppend` branch). Windows are
+//! made only by the `unsafe` [`crate::Communicator::register_window`], whose contract covers
+//! how every rank passes them; this model is that of every other collective.
 
 use super::wire::{CollDesc, CollKind, Dir, OpDesc};
 

@@ -1,6 +1,6 @@
 //! Verification alone, without NCCL or a GPU: one rank's mailboxes set up by the same code as a
-//! communicator's ([`super::setup::settle`]), over an all-gather the caller provides, and
-//! checked by the same [`super::verify`]. For the two-host rehearsal (`tests/hosts.rs`) and the
+//! communicator's (`setup::settle`), over an all-gather the caller provides, and
+//! checked by the same `verify`. For the two-host rehearsal (`tests/hosts.rs`) and the
 //! channel's benchmark; not an API.
 
 use std::sync::Arc;

@@ -1,0 +1,361 @@
+//! Registered memory and windows on a CPU, against the stub libraries of tests/stubs (built here
+//! with the system's C compiler): `tests/stubs/register.c` is the stub NCCL with the
+//! registration functions, `tests/stubs/nccl.c` one without them (an NCCL older than 2.27, or a
+//! build without them). The stubs count their calls, so the tests assert which NCCL calls were
+//! made, and when: `ncclMemFree` only after every tracked use completed (the stub runtime's
+//! `cudaEventQuery` answers "not ready" until told otherwise), nothing freed while registered,
+//! a window refused before NCCL is called.
+//!
+//! The crate opens each library once per process, so the test of the NCCL without the functions
+//! runs in a child process of this binary.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use handoff::{Communicator, Device, DeviceBuffer, Error, ReduceOp, Stream};
+use libtest_mimic::{Arguments, Failed, Trial};
+
+/// Set in the child that runs against the NCCL without the functions.
+const CHILD: &str = "HANDOFF_REGISTERED_STUB_CHILD";
+/// cudaErrorNotReady.
+const NOT_READY: i32 = 600;
+
+struct Stubs {
+    cudart: libloading::Library,
+    nccl: libloading::Library,
+}
+
+impl Stubs {
+    fn count(&self, name: &str) -> i64 {
+        let (lib, sym): (&libloading::Library, &[u8]) = if name.starts_with("nccl") {
+            (&self.nccl, b"nccl_stub_count\0")
+        } else {
+            (&self.cudart, b"cudart_stub_count\0")
+        };
+        let name = std::ffi::CString::new(name).expect("name");
+        // SAFETY: `long count(const char *name, int all)`.
+        unsafe {
+            let count: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char, i32) -> i64> =
+                lib.get(sym).expect("count");
+            count(name.as_ptr(), 1)
+        }
+    }
+
+    /// Makes the stub's cudaEventQuery answer "not ready" (queued work still runs) or done.
+    fn events_pending(&self, pending: bool) {
+        // SAFETY: `void set(int)`.
+        unsafe {
+            let set: libloading::Symbol<unsafe extern "C" fn(i32)> =
+                self.cudart.get(b"cudart_stub_set_event_query\0").expect("setter");
+            set(if pending { NOT_READY } else { 0 });
+        }
+    }
+
+    /// Counts of `names` now.
+    fn counts(&self, names: &[&str]) -> Vec<i64> {
+        names.iter().map(|n| self.count(n)).collect()
+    }
+}
+
+fn build(dir: &Path, c: &str, so: &str) -> Result<PathBuf, String> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/stubs");
+    let target = dir.join(so);
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = std::process::Command::new(&cc)
+        .args([
+            "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-pthread", "-I",
+        ])
+        .arg(&src)
+        .arg("-o")
+        .arg(&target)
+        .arg(src.join(c))
+        .status()
+        .map_err(|e| format!("could not run the C compiler {cc:?} (set CC): {e}"))?;
+    if !status.success() {
+        return Err(format!("{cc} failed to build {c}: {status}"));
+    }
+    Ok(target)
+}
+
+fn one_rank() -> Result<(Device, Stream, Communicator), Failed> {
+    let dev = Device::new(0)?;
+    let stream = Stream::new(&dev)?;
+    let comm = Communicator::init_all(std::slice::from_ref(&dev))?
+        .pop()
+        .ok_or("no communicator")?;
+    Ok((dev, stream, comm))
+}
+
+/// Polls `cond` for up to two seconds.
+fn eventually(what: &str, mut cond: impl FnMut() -> bool) -> Result<(), Failed> {
+    let start = Instant::now();
+    while !cond() {
+        if start.elapsed() > Duration::from_secs(2) {
+            return Err(format!("{what}: not within 2 s").into());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
+}
+
+/// A dropped ncclMemAlloc buffer is freed once, and only after its uses completed; the drop
+/// does not wait for them.
+fn freed_after_its_uses(s: &Stubs) -> Result<(), Failed> {
+    let (_dev, stream, comm) = one_rank()?;
+    let mut buf = DeviceBuffer::<f32>::from_slice_nccl(&stream, &[1.0, 2.0, 3.0])?;
+    if !buf.is_nccl_alloc() || s.count("ncclMemAlloc") < 1 {
+        return Err("the buffer did not come from ncclMemAlloc".into());
+    }
+    // Values through an all-reduce of one rank: the stub runtime copies, the stub NCCL does not
+    // reduce, so only the round trip through the buffer is checked.
+    if buf.to_vec(&stream)? != [1.0, 2.0, 3.0] {
+        return Err("from_slice_nccl lost the values".into());
+    }
+    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &stream)?;
+    let frees = s.count("ncclMemFree");
+    s.events_pending(true);
+    let start = Instant::now();
+    drop(buf);
+    let took = start.elapsed();
+    std::thread::sleep(Duration::from_millis(50));
+    let early = s.count("ncclMemFree") - frees;
+    let waiting = handoff::pending_nccl_frees();
+    s.events_pending(false);
+    if early != 0 {
+        return Err(format!("ncclMemFree ran {early} time(s) while the buffer's uses were pending").into());
+    }
+    if waiting != 1 {
+        return Err(format!("{waiting} allocations wait for their uses, want 1").into());
+    }
+    if took > Duration::from_millis(20) {
+        return Err(format!("the drop blocked for {took:?}").into());
+    }
+    eventually("ncclMemFree once the uses completed", || {
+        s.count("ncclMemFree") == frees + 1 && handoff::pending_nccl_frees() == 0
+    })?;
+    // `free` waits on the host and frees at once.
+    let buf = DeviceBuffer::<u8>::zeros_nccl(&stream, 4096)?;
+    buf.free()?;
+    if s.count("ncclMemFree") != frees + 2 {
+        return Err("free() did not call ncclMemFree".into());
+    }
+    Ok(())
+}
+
+/// A registration is made once and deregistered once, after waiting for the buffer's uses;
+/// one that is forgotten keeps the memory from being freed.
+fn registration_lifecycle(s: &Stubs) -> Result<(), Failed> {
+    let (_dev, stream, comm) = one_rank()?;
+    let names = [
+        "ncclCommRegister",
+        "ncclCommDeregister",
+        "ncclMemFree",
+        "cudaEventSynchronize",
+    ];
+    let before = s.counts(&names);
+    let mut buf = DeviceBuffer::<f32>::zeros_nccl(&stream, 1024)?;
+    {
+        let mut reg = comm.register(&mut buf)?;
+        if !reg.is_active() {
+            return Err("the stub returned a handle".into());
+        }
+        comm.all_reduce_in_place(reg.view_mut(), ReduceOp::Sum, &stream)?;
+    }
+    let after = s.counts(&names);
+    let d: Vec<i64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    if d[0] != 1 || d[1] != 1 {
+        return Err(format!("register/deregister calls {:?}, want [1, 1]", &d[..2]).into());
+    }
+    if d[3] < 1 {
+        return Err("the registration's drop did not wait for the buffer's uses".into());
+    }
+    // Explicit deregistration reports, and the buffer is the caller's again.
+    let reg = comm.register(&mut buf)?;
+    reg.deregister()?;
+    buf.memset_zero(&stream)?;
+    // Forgotten: the buffer leaks its memory instead of freeing it under NCCL.
+    std::mem::forget(comm.register(&mut buf)?);
+    let frees = s.count("ncclMemFree");
+    match buf.free() {
+        Err(Error::InvalidArgument(m)) if m.contains("forgotten") => {}
+        other => return Err(format!("a buffer still registered was freed: {other:?}").into()),
+    }
+    if s.count("ncclMemFree") != frees {
+        return Err("ncclMemFree ran on memory still registered".into());
+    }
+    Ok(())
+}
+
+/// Windows: only ncclMemAlloc memory, never twice, no exchange on one rank, deregistered with the
+/// window call; refused before NCCL is called.
+fn window_rules(s: &Stubs) -> Result<(), Failed> {
+    let (_dev, stream, comm) = one_rank()?;
+    let names = [
+        "ncclCommWindowRegister",
+        "ncclCommWindowDeregister",
+        "ncclCommDeregister",
+        "ncclAllGather",
+    ];
+    let before = s.counts(&names);
+    let delta =
+        |s: &Stubs| -> Vec<i64> { s.counts(&names).iter().zip(&before).map(|(a, b)| a - b).collect() };
+    // Pool memory is refused, NCCL never called.
+    let mut pool = DeviceBuffer::<f32>::zeros(&stream, 1024)?;
+    // SAFETY: one rank: no peer to disagree on windows.
+    match unsafe { comm.register_window(&mut pool) } {
+        Err(Error::InvalidArgument(m)) if m.contains("ncclMemAlloc") => {}
+        other => return Err(format!("a window of pool memory: {other:?}").into()),
+    }
+    let mut buf = DeviceBuffer::<f32>::zeros_nccl(&stream, 1024)?;
+    {
+        // SAFETY: as above.
+        let mut win = unsafe { comm.register_window(&mut buf) }?;
+        if win.index() != 1 {
+            return Err(format!("the second attempt is window #{}, want #1", win.index()).into());
+        }
+        comm.all_reduce_in_place(win.view_mut(), ReduceOp::Sum, &stream)?;
+    }
+    if delta(s) != [1, 1, 0, 0] {
+        return Err(format!(
+            "window register/deregister/plain deregister/all-gather calls {:?}, want [1, 1, 0, 0]",
+            delta(s)
+        )
+        .into());
+    }
+    // Forgotten, then registered again: refused by the buffer's mark, NCCL not called.
+    // SAFETY: as above.
+    std::mem::forget(unsafe { comm.register_window(&mut buf) }?);
+    // SAFETY: as above.
+    match unsafe { comm.register_window(&mut buf) } {
+        Err(Error::InvalidArgument(m)) if m.contains("already a window") => {}
+        other => return Err(format!("a second window of one buffer: {other:?}").into()),
+    }
+    if delta(s)[0] != 2 {
+        return Err(format!("ncclCommWindowRegister called {} times, want 2", delta(s)[0]).into());
+    }
+    Ok(())
+}
+
+/// Ranks of one init_all share a thread: a collective window registration there is refused
+/// rather than left waiting for the others.
+fn window_on_a_clique_refused(_: &Stubs) -> Result<(), Failed> {
+    // SAFETY: `void set(int)`; the stub's device count, read by Device::new.
+    unsafe {
+        let lib = libloading::Library::new(std::env::var("HANDOFF_CUDART_PATH")?)?;
+        let set: libloading::Symbol<unsafe extern "C" fn(i32)> = lib.get(b"cudart_stub_set_devices\0")?;
+        set(2);
+    }
+    let devs = [Device::new(0)?, Device::new(1)?];
+    let comms = Communicator::init_all(&devs)?;
+    let stream = Stream::new(&devs[0])?;
+    let mut buf = DeviceBuffer::<f32>::zeros_nccl(&stream, 1024)?;
+    // SAFETY: refused before anything reaches NCCL.
+    match unsafe { comms[0].register_window(&mut buf) } {
+        Err(Error::InvalidArgument(m)) if m.contains("init_all") => Ok(()),
+        other => Err(format!("a window on a two-rank init_all communicator: {other:?}").into()),
+    }
+}
+
+/// Against the NCCL without the functions: every registered-memory entry point is
+/// Error::Unsupported naming what is missing and the version needed; the rest works.
+fn child_without_the_functions() -> Result<(), String> {
+    let (_dev, stream, comm) = one_rank().map_err(|e| format!("{e:?}"))?;
+    let check = |what: &str, e: Option<Error>| -> Result<(), String> {
+        match e {
+            Some(Error::Unsupported { needs, detail, .. })
+                if needs.contains("2.27") && detail.contains("nccl") =>
+            {
+                Ok(())
+            }
+            other => Err(format!("{what}: {other:?}, want Error::Unsupported")),
+        }
+    };
+    check("zeros_nccl", DeviceBuffer::<f32>::zeros_nccl(&stream, 16).err())?;
+    let mut buf = DeviceBuffer::<f32>::zeros(&stream, 16).map_err(|e| e.to_string())?;
+    check("register", comm.register(&mut buf).err())?;
+    // SAFETY: refused before NCCL (one rank).
+    check("register_window", unsafe { comm.register_window(&mut buf) }.err())?;
+    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &stream)
+        .map_err(|e| format!("the rest of NCCL should work: {e}"))?;
+    Ok(())
+}
+
+fn without_the_functions(cudart: &Path, plain: &Path) -> Result<(), Failed> {
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .env(CHILD, "1")
+        .env("HANDOFF_CUDART_PATH", cudart)
+        .env("HANDOFF_NCCL_PATH", plain)
+        .output()?;
+    if !out.status.success() {
+        return Err(format!(
+            "the child failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+fn main() {
+    if std::env::var_os(CHILD).is_some() {
+        match child_without_the_functions() {
+            Ok(()) => std::process::exit(0),
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    let mut args = Arguments::from_args();
+    let dir = std::env::temp_dir().join(format!("handoff-registered-stubs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("stub folder");
+    let plain_dir = dir.join("plain");
+    std::fs::create_dir_all(&plain_dir).expect("stub folder");
+    let built = (|| {
+        Ok::<_, String>((
+            build(&dir, "cudart.c", "libcudart.so.13")?,
+            build(&dir, "register.c", "libnccl.so.2")?,
+            build(&plain_dir, "nccl.c", "libnccl.so.2")?,
+        ))
+    })();
+    let (cudart, nccl, plain) =
+        built.unwrap_or_else(|e| panic!("the stub libraries could not be built: {e}"));
+    // SAFETY: no other thread exists yet, and nothing has read the environment.
+    unsafe {
+        std::env::set_var("HANDOFF_CUDART_PATH", &cudart);
+        std::env::set_var("HANDOFF_NCCL_PATH", &nccl);
+    }
+    // SAFETY: the stubs just built: plain C with no initialisers.
+    let stubs: &'static Stubs = Box::leak(Box::new(unsafe {
+        Stubs {
+            cudart: libloading::Library::new(&cudart).expect("stub runtime"),
+            nccl: libloading::Library::new(&nccl).expect("stub NCCL"),
+        }
+    }));
+    let trial = |name: &str, f: fn(&Stubs) -> Result<(), Failed>| Trial::test(name, move || f(stubs));
+    let (c, p) = (cudart.clone(), plain.clone());
+    let trials = vec![
+        trial(
+            "an_nccl_buffer_is_freed_after_its_uses_without_blocking_the_drop",
+            freed_after_its_uses,
+        ),
+        trial(
+            "a_registration_deregisters_after_the_uses_and_a_forgotten_one_leaks",
+            registration_lifecycle,
+        ),
+        trial("a_window_needs_nccl_memory_and_is_never_made_twice", window_rules),
+        trial(
+            "a_window_on_a_two_rank_init_all_communicator_is_refused",
+            window_on_a_clique_refused,
+        ),
+        Trial::test(
+            "an_nccl_without_the_functions_is_unsupported_not_a_crash",
+            move || without_the_functions(&c, &p),
+        ),
+    ];
+    // One at a time: the stub's event state and its device count are the whole process's.
+    args.test_threads = Some(1);
+    let conclusion = libtest_mimic::run(&args, trials);
+    let _ = std::fs::remove_dir_all(&dir);
+    conclusion.exit()
+}
