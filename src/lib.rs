@@ -123,6 +123,29 @@
 //!   `tests/soundness.rs` (a short receive in one process and across threads; a send against a
 //!   gather's part, in one process and across threads; ranks that disagree on verification);
 //!   `tests/reliability.rs` (mismatched count and type across two processes).
+//! - **Across hosts.** Verification is the default on any number of hosts. Ranks that share a
+//!   kernel boot and a mount namespace, and can open each other's mailbox file (its token
+//!   checked), share mailbox files; every other pair (every pair with
+//!   `HANDOFF_VERIFY_CHANNEL=tcp`) uses the verification channel, one TCP connection per pair
+//!   made at creation: each rank keeps a mirror of each remote peer's mailbox and forwards every
+//!   write its peers read, so the checks, errors and bounds are the same. A connection proves by
+//!   HMAC-SHA256 challenge-response (fresh nonces both ways) that it knows both ranks' random
+//!   channel tokens, which travel only in the creation-time all-gather, and the job's secret
+//!   when `HANDOFF_SECRET` or `HANDOFF_SECRET_FILE` is set; neither crosses the wire. Every frame
+//!   carries an HMAC with a sequence number: a forged, replayed or malformed one ends the
+//!   connection, and the peer reads as broken. Tests: the channel's CPU tests over loopback
+//!   (hostile frames, a full socket, refused handshakes, a trickling client) and
+//!   `tests/hosts.rs` (two processes in two network and mount namespaces: a mismatch on both
+//!   ranks, a killed and a stopped peer bounded, rogue connections and wrong secrets refused).
+//! - **Registered memory.** Registrations and windows ([`Communicator::register`],
+//!   [`Communicator::register_window`]) borrow the communicator and, exclusively, the buffer,
+//!   so neither outlives the other (compile-fail doc tests). Dropping one waits for the
+//!   buffer's pending uses, then deregisters it with the matching call; a forgotten one makes
+//!   the buffer leak its memory rather than free it under NCCL. Memory from `ncclMemAlloc` is
+//!   freed only once its uses have completed, without blocking the drop. Window registration,
+//!   collective in NCCL, is exchanged among the ranks first (index, size, refusals), so a
+//!   disagreement is an error on every rank. Tests: `tests/registered_stub.rs` (CPU),
+//!   `tests/registered.rs`.
 //! - **Bounded.** Every host wait on a communicator has its timeout; the wait for a peer's
 //!   counterpart is bounded by it and never waits for the GPU. A watchdog thread aborts a
 //!   communicator whose oldest operation has not completed within the timeout of becoming able
@@ -164,8 +187,13 @@
 //! - A [`HostBuffer`] that finds no cached block of its size class calls `cudaMallocHost`,
 //!   which CUDA lists as implicitly synchronising; the cache holds pinned memory until
 //!   [`host::release_cached`].
-//! - Across hosts there is no verification yet: creation fails with [`Error::Setup`] and says to
-//!   use [`CommOptions::unverified`].
+//! - The verification channel's entries are not encrypted (an observer on the network reads
+//!   counts, types and order), and without a secret anyone who can read the creation-time
+//!   all-gather's traffic learns the channel tokens. More than 32 simultaneous handshakes deny
+//!   setup until the timeout.
+//! - [`Communicator::register_window`] is `unsafe`: verification does not yet compare which
+//!   window and offset each rank passes to a collective, which NCCL's symmetric and
+//!   copy-engine paths rely on.
 //! - A report of cut-short data reaches the first host read of the received buffer (or of a
 //!   pinned host buffer copied from it); a kernel or a device copy that read it on the GPU before
 //!   that passed on partial data (valid values, wrong ones) without its output being flagged.
