@@ -242,6 +242,18 @@ impl Device {
             .push(s);
     }
 
+    /// A tracking event over a made-up handle, for CPU tests that never give it to CUDA. The
+    /// device must outlive the test without being dropped (its drop destroys pooled events).
+    #[cfg(test)]
+    pub(crate) fn fake_event(&self, raw: usize) -> Arc<PooledEvent> {
+        Arc::new(PooledEvent {
+            raw: raw as cudaEvent_t,
+            device: self.inner.clone(),
+            poison: OnceCell::new(),
+            origin: OnceCell::new(),
+        })
+    }
+
     /// A tracking event, from the pool or new.
     pub(crate) fn take_event(&self) -> Result<Arc<PooledEvent>> {
         let pooled = self.inner.events.lock().unwrap_or_else(|p| p.into_inner()).pop();

@@ -148,6 +148,15 @@ impl Stubs {
         }
     }
 
+    fn set_async_error(&self, rc: i32) {
+        // SAFETY: `void set(int)`.
+        unsafe {
+            let set: libloading::Symbol<unsafe extern "C" fn(i32)> =
+                self.nccl.get(b"nccl_stub_set_async_error\0").expect("setter");
+            set(rc);
+        }
+    }
+
     fn snapshot(&self) -> Snapshot {
         let mut calls = Self::mine(&self.cudart, "cudart");
         calls.extend(Self::mine(&self.nccl, "nccl"));
@@ -196,17 +205,23 @@ fn measure(stubs: &Stubs, events_pending: bool, mut op: impl FnMut(u32) -> hando
     if events_pending {
         stubs.set_event_query(NOT_READY);
     }
-    for i in 0..OPS as u32 {
+    for i in 0..2 * OPS as u32 {
         op(i).expect("warm-up");
     }
     stubs.set_event_query(0);
     std::thread::sleep(SETTLE);
     let before = stubs.snapshot();
+    let allocs = ALLOCS.with(Cell::get);
     for i in 0..OPS as u32 {
         op(i).expect("measured operation");
     }
+    // Before the snapshot, which allocates.
+    let allocs = ALLOCS.with(Cell::get) - allocs;
     let after = stubs.snapshot();
-    after.since(&before)
+    Snapshot {
+        allocs,
+        ..after.since(&before)
+    }
 }
 
 /// What [`OPS`] operations cost, in calls by name and in heap allocations (totals, so that a
@@ -283,7 +298,7 @@ fn unverified_self_group(stubs: &Stubs) -> Result<(), Failed> {
 /// Per group: the NCCL group itself (start, send, receive, end), and one tracking event
 /// recorded after it; the stream's capture state asked once; the thread's device asked once.
 /// Allocations: the group's lists, verification's, the engine's, an `Arc` per event and the
-/// watchdog's note (22.6 per group).
+/// watchdog's note (22 per group).
 const SELF_GROUP: Expected = Expected {
     calls: &[
         ("cudaEventRecord", OPS),
@@ -294,12 +309,12 @@ const SELF_GROUP: Expected = Expected {
         ("ncclRecv", OPS),
         ("ncclSend", OPS),
     ],
-    allocs: 1445,
+    allocs: 22 * OPS,
 };
 
 const UNVERIFIED_SELF_GROUP: Expected = Expected {
     calls: SELF_GROUP.calls,
-    allocs: 1198,
+    allocs: 18 * OPS,
 };
 
 /// A verified all_reduce over one rank.
@@ -323,7 +338,7 @@ const ALL_REDUCE: Expected = Expected {
         ("ncclGroupEnd", OPS),
         ("ncclGroupStart", OPS),
     ],
-    allocs: 1647,
+    allocs: 25 * OPS,
 };
 
 /// `kernels::produce`: one kernel writing one buffer.
@@ -344,7 +359,7 @@ const PRODUCE: Expected = Expected {
         ("cudaLaunchKernel", OPS),
         ("cudaStreamIsCapturing", OPS),
     ],
-    allocs: 884,
+    allocs: 13 * OPS,
 };
 
 /// A replay of a graph of one kernel.
@@ -365,7 +380,7 @@ const KERNEL_GRAPH: Expected = Expected {
         ("cudaGraphLaunch", OPS),
         ("cudaStreamIsCapturing", OPS),
     ],
-    allocs: 569,
+    allocs: 8 * OPS,
 };
 
 /// A replay of a graph of one self send+receive group on the graph's own communicator.
@@ -397,7 +412,7 @@ const NCCL_GRAPH: Expected = Expected {
         ("cudaGraphLaunch", OPS),
         ("cudaStreamIsCapturing", OPS),
     ],
-    allocs: 762,
+    allocs: 11 * OPS,
 };
 
 /// The watchdog's queries while [`OPS`] eager operations are queued and then seen complete.
@@ -434,12 +449,93 @@ fn watchdog_queries(stubs: &Stubs) -> Result<(), Failed> {
     Ok(())
 }
 
-/// One query per queued operation (the watchdog drains the queue oldest first), and a few for
-/// the looks before.
-const WATCHDOG_QUERIES_AT_MOST: u64 = OPS + 16;
+/// The watchdog queries no event per operation: per look (every 20 ms, so about 5 per settle of
+/// 100 ms) at most the newest's event, the oldest's, and what the oldest waits behind while
+/// they are "running" (3), then the newest alone once it has completed (1); 2 settles, with a
+/// look to spare in each: 6 × 3 + 6 × 1. Queried oldest first, one per operation, it was 74.
+const WATCHDOG_QUERIES_AT_MOST: u64 = 24;
+
+/// Set in the child process of `watchdog_survives_a_timeout_too_long_to_multiply`.
+const CHILD: &str = "HANDOFF_HOTPATH_CHILD";
+
+/// With the watchdog's log on, a timeout of `Duration::MAX` once overflowed the watchdog's
+/// patience (`timeout * PATIENCE`) in the log line and killed its thread, after which nothing
+/// was ever aborted. Run in a child process: the log setting is read once per process.
+fn watchdog_survives_a_timeout_too_long_to_multiply(_: &Stubs) -> Result<(), Failed> {
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .env(CHILD, "1")
+        .env("HANDOFF_WATCHDOG_LOG", "1")
+        .args(["--exact", "child_watchdog_max_timeout", "--nocapture"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    // Without a watchdog the child's communicator, with its endless timeout, could wait
+    // forever: bounded here.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while child.try_wait()?.is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill()?;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!(
+        "child: {}",
+        stdout
+            .lines()
+            .filter(|l| l.contains("child:"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    if !out.status.success() {
+        return Err(format!("the child failed ({}): {stdout}\n{stderr}", out.status).into());
+    }
+    Ok(())
+}
+
+fn child_watchdog_max_timeout(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let mut comms = Communicator::init_all(std::slice::from_ref(&dev))?;
+    comms[0].set_timeout(Duration::MAX);
+    let comm = &comms[0];
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    // Queued and "running": the watchdog logs each look at it.
+    stubs.set_event_query(NOT_READY);
+    comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)?;
+    std::thread::sleep(SETTLE);
+    // The watchdog, still alive, must see NCCL's error and abort the communicator.
+    stubs.set_async_error(3);
+    std::thread::sleep(SETTLE);
+    stubs.set_event_query(0);
+    let broken = comm.broken_reason();
+    stubs.set_async_error(0);
+    match broken {
+        Some(reason) if reason.contains("the watchdog found an NCCL error") => {
+            println!("child: aborted by the watchdog: {reason}");
+            Ok(())
+        }
+        other => Err(format!("the watchdog did not abort the communicator: {other:?}").into()),
+    }
+}
 
 fn main() {
     let args = Arguments::from_args();
+    if std::env::var_os(CHILD).is_some() {
+        let path = |v: &str| PathBuf::from(std::env::var_os(v).expect("set by the parent"));
+        let stubs: &'static Stubs = Box::leak(Box::new(Stubs::open(
+            &path("HANDOFF_CUDART_PATH"),
+            &path("HANDOFF_NCCL_PATH"),
+        )));
+        let trials = vec![Trial::test("child_watchdog_max_timeout", move || {
+            child_watchdog_max_timeout(stubs)
+        })];
+        libtest_mimic::run(&args, trials).exit()
+    }
     let (cudart, nccl) = match build_stubs() {
         Ok(p) => p,
         Err(e) => panic!("the stub libraries could not be built: {e}"),
@@ -459,6 +555,10 @@ fn main() {
         trial("kernel_graph_launch", kernel_graph),
         trial("nccl_graph_launch", nccl_graph),
         trial("watchdog_queries", watchdog_queries),
+        trial(
+            "watchdog_survives_a_timeout_too_long_to_multiply",
+            watchdog_survives_a_timeout_too_long_to_multiply,
+        ),
     ];
     // One at a time: the stub's event state and the watchdog are shared by the whole process.
     let mut args = args;

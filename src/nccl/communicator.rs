@@ -77,6 +77,9 @@ pub(crate) struct Shared {
     pub(crate) state: Mutex<State>,
     pub(crate) rank: usize,
     pub(crate) ordinal: i32,
+    /// Set when the watchdog's look at this communicator panicked: it can no longer be watched,
+    /// and the watchdog aborts it (with this reason) at its next chance.
+    pub(crate) unwatchable: std::sync::OnceLock<String>,
 }
 
 pub(crate) struct State {
@@ -85,9 +88,12 @@ pub(crate) struct State {
     pub(crate) rank: usize,
     /// Why the communicator is unusable, once it is.
     pub(crate) broken: Option<String>,
-    /// Work queued and not yet seen complete, oldest first: an event after each group on each
-    /// stream, and when it was queued. NCCL runs a communicator's operations in order.
+    /// Work queued and not yet seen complete, oldest first (in `seq` order): an event after each
+    /// group on each stream, and when it was queued. NCCL runs a communicator's operations in
+    /// order (see the watchdog), so an entry seen complete means every older one is.
     pub(crate) pending: VecDeque<Pending>,
+    /// The `seq` of the next entry of `pending`.
+    pub(crate) next_seq: u64,
     pub(crate) timeout: Duration,
     /// Every rank's mailbox (verified communicators): this rank's is marked broken with the
     /// communicator so that no peer waits for it, and carries the watchdog's heartbeat.
@@ -106,6 +112,9 @@ struct GraphAborter {
 }
 
 pub(crate) struct Pending {
+    /// Numbers the communicator's entries in the order they were queued, never reused: what the
+    /// watchdog names an entry by while it queries with the lock released.
+    pub(crate) seq: u64,
     /// Recorded after the group on one of its streams.
     pub(crate) event: Arc<PooledEvent>,
     /// What the stream ran before the group: it cannot start before these complete.
@@ -128,6 +137,33 @@ pub(crate) enum Cut {
 unsafe impl Send for State {}
 
 impl State {
+    /// The state of a live communicator `raw` of rank `rank`, with nothing queued.
+    pub(crate) fn new(raw: ncclComm_t, rank: usize, timeout: Duration) -> State {
+        State {
+            raw,
+            broken: None,
+            pending: VecDeque::new(),
+            next_seq: 0,
+            timeout,
+            regions: None,
+            graph_aborter: None,
+            rank,
+        }
+    }
+
+    /// Notes work queued after everything pending: `event` recorded after it, `after` what
+    /// its stream ran before.
+    pub(crate) fn push_pending(&mut self, event: Arc<PooledEvent>, after: Before) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.pending.push_back(Pending {
+            seq,
+            event,
+            after,
+            started: None,
+        });
+    }
+
     /// Marks the communicator unusable and aborts it (`ncclCommAbort`), as NCCL requires after
     /// an error; tells the peers through the mailbox. The caller holds the lock, so no other
     /// NCCL call on the communicator runs meanwhile.
@@ -267,17 +303,10 @@ impl Communicator {
         options: CommOptions,
     ) -> Communicator {
         let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                raw,
-                broken: None,
-                pending: VecDeque::new(),
-                timeout: options.timeout(),
-                regions: None,
-                graph_aborter: None,
-                rank,
-            }),
+            state: Mutex::new(State::new(raw, rank, options.timeout())),
             rank,
             ordinal: device.ordinal() as i32,
+            unwatchable: std::sync::OnceLock::new(),
         });
         Communicator {
             shared,
@@ -866,11 +895,7 @@ impl Communicator {
             event.poison(reason);
             return;
         }
-        state.pending.push_back(Pending {
-            event: event.clone(),
-            after: before.clone(),
-            started: None,
-        });
+        state.push_pending(event.clone(), before.clone());
     }
 }
 
@@ -893,6 +918,12 @@ pub(super) fn form_clique(members: Vec<&mut Communicator>) {
 }
 
 pub(crate) fn usable(state: &State) -> Result<ncclComm_t> {
+    if let Some(reason) = watchdog::dead() {
+        // Without the watchdog, nothing would bound a wait behind this communicator's work.
+        return Err(Error::CommunicatorUnusable {
+            reason: reason.to_string(),
+        });
+    }
     match &state.broken {
         Some(reason) => Err(Error::CommunicatorUnusable {
             reason: reason.clone(),
