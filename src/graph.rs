@@ -59,7 +59,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::device::{Device, PooledEvent};
+use crate::device::{Device, Origin, PooledEvent};
 use crate::engine::{self, CaptureState, Keep, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::nccl::Communicator;
@@ -108,6 +108,10 @@ pub struct Graph {
     /// Events after this graph's replays not yet seen complete, oldest first (NCCL graphs):
     /// at most [`MAX_REPLAYS_IN_FLIGHT`].
     in_flight: RefCell<VecDeque<Arc<PooledEvent>>>,
+    /// For graphs with NCCL operations: what a replay's tracking event asks at a host read
+    /// whether the replay was cut short (a replay's output depends on every other rank), made
+    /// once for every replay.
+    origin: Option<Arc<dyn Origin>>,
 }
 
 /// Replays of one NCCL graph queued and not yet complete, at most. A rank that runs ahead of
@@ -265,16 +269,23 @@ impl Graph {
         // SAFETY: live, owned here, not used again.
         let _ = unsafe { cu::graph_destroy(graph) };
         let exec = Exec(exec?);
+        // In the engine's lock order (by key) once, so that a replay sorts nothing.
+        let mut uses = state.uses.uses().to_vec();
+        uses.sort_by_key(|(t, _)| t.key());
+        let origin = comm
+            .as_ref()
+            .map(|c| c.origin((0..c.world_size()).filter(|&r| r != c.rank()).collect()));
         // A graph without NCCL operations does not need the communicator; keep it anyway: it
         // was given to the graph, and its verification order has moved on with the capture.
         Ok(Graph {
             exec,
             device: stream.device().clone(),
             captured_on: stream.id(),
-            uses: state.uses.uses().to_vec(),
+            uses,
             _keep: state.keep,
             comm,
-            in_flight: RefCell::default(),
+            in_flight: RefCell::new(VecDeque::with_capacity(MAX_REPLAYS_IN_FLIGHT)),
+            origin,
         })
     }
 
@@ -330,19 +341,30 @@ impl Graph {
                 unsafe { cu::graph_launch(exec, stream.as_raw()) }
             },
             |_, event, before| {
-                let peers = (0..comm.world_size()).filter(|&r| r != comm.rank()).collect();
-                comm.note_pending(event, before, peers);
+                let origin = self.origin.as_ref().expect("made with the communicator");
+                comm.note_pending_from(event, before, origin);
                 self.in_flight.borrow_mut().push_back(event.clone());
             },
         )
     }
 
-    /// Forgets replays seen complete; with [`MAX_REPLAYS_IN_FLIGHT`] still queued, waits for
-    /// the oldest. The wait has no deadline of its own: the communicator's watchdog counts one
-    /// for that replay from when it could start, as for any NCCL work, and past it aborts the
+    /// With [`MAX_REPLAYS_IN_FLIGHT`] replays queued, forgets those seen complete, and waits for
+    /// the oldest if none is; below that, asks nothing. The replays run one after another on
+    /// the one stream the graph replays on, so the newest complete means all are: it is asked
+    /// first. The wait has no deadline of its own: the communicator's watchdog counts one for
+    /// that replay from when it could start, as for any NCCL work, and past it aborts the
     /// communicator, which ends the replay (and this wait, with the abort's error).
     fn bound_in_flight(&self, comm: &Communicator) -> Result<()> {
         let mut in_flight = self.in_flight.borrow_mut();
+        if in_flight.len() < MAX_REPLAYS_IN_FLIGHT {
+            return Ok(());
+        }
+        let newest = in_flight.back().expect("full");
+        // SAFETY: the event is kept alive by the Arc.
+        if unsafe { cu::event_query(newest.raw) }? {
+            in_flight.clear();
+            return Ok(());
+        }
         while let Some(oldest) = in_flight.front() {
             // SAFETY: the event is kept alive by the Arc.
             if !unsafe { cu::event_query(oldest.raw) }? {

@@ -885,10 +885,27 @@ impl Communicator {
     /// ran `before` first and received from `peers`, for [`Communicator::synchronize`], the
     /// watchdog and host reads.
     pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: &Before, peers: Vec<usize>) {
-        event.set_origin(Arc::new(OpOrigin {
+        self.note_pending_from(event, before, &self.origin(peers));
+    }
+
+    /// What a tracking event after work of this communicator receiving from `peers` asks, at a
+    /// host read, whether that work was cut short: made once and shared by every such event
+    /// (a graph's replays).
+    pub(crate) fn origin(&self, peers: Vec<usize>) -> Arc<dyn Origin> {
+        Arc::new(OpOrigin {
             shared: Arc::downgrade(&self.shared),
             peers,
-        }));
+        })
+    }
+
+    /// [`Communicator::note_pending`] with the event's origin made already.
+    pub(crate) fn note_pending_from(
+        &self,
+        event: &Arc<PooledEvent>,
+        before: &Before,
+        origin: &Arc<dyn Origin>,
+    ) {
+        event.set_origin(origin.clone());
         let mut state = self.shared.lock();
         if let Some(reason) = &state.broken {
             // Broken between posting and now: the work may have been cut short.
