@@ -12,8 +12,11 @@ use crate::sys::cudart::{cudaError_t, cudaEvent_t, cudaStream_t};
 /// One CUDA device, as seen by this process (after `CUDA_VISIBLE_DEVICES`).
 ///
 /// Cheap to clone; streams, events and buffers keep their device's state alive. Every call of
-/// the safe API makes its device current on the calling thread first (`cudaSetDevice`), so one
-/// thread may drive several devices; code that mixes in raw runtime calls must set its own.
+/// the safe API that runs on the current device (creating a stream or an event, a kernel
+/// launch, a copy, an allocation, a graph launch) makes its device current on the calling
+/// thread first (`cudaSetDevice`, only when another is current), so one thread may drive
+/// several devices; NCCL operations leave the current device as NCCL does (it restores it).
+/// Code that mixes in raw runtime calls must set its own.
 #[derive(Clone)]
 pub struct Device {
     pub(crate) inner: Arc<DeviceInner>,

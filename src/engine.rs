@@ -192,7 +192,8 @@ impl<'a> TrackedUse<'a> {
 }
 
 /// Switches the calling thread's current device only when it changes (each switch is a
-/// runtime call).
+/// runtime call): made current by the engine before CUDA work is submitted, never for NCCL
+/// work.
 #[derive(Default)]
 pub(crate) struct CurrentDevice(Option<usize>);
 
@@ -311,34 +312,39 @@ pub(crate) fn enqueue<R>(
             before[index(u.record)].extend(u.stream.last_recorded());
         }
     }
-    let mut current = CurrentDevice::default();
+    // Waits and event records take their device from the stream, whatever the current device
+    // (CUDA's "Stream and Event Behavior"); NCCL makes its communicator's device current
+    // itself, and restores the caller's (`ncclEnqueueCheck`, enqueue.cc 2618-2631 of NCCL
+    // 2.28.3; `ncclGroupEndInternal` and `groupLaunch`, group.cc 598 and 742-744). CUDA work
+    // (a kernel launch, a copy) runs on the current device's: its stream's device (CUDA work
+    // is queued on one stream) is made current just before it is submitted. A new tracking event is made on its device by the
+    // pool.
     for u in uses {
-        current.set(u.stream.device())?;
         let sink = before.get_mut(index(u.record));
         u.stream
             .wait_for_conflicts(&locked[slot(u.tracked)], u.access, sink)?;
     }
+    let mut current = CurrentDevice::default();
+    if let (false, Some(s)) = (nccl, streams.first()) {
+        current.set(s.device())?;
+    }
     let out = submit(&mut current);
-    // In reverse, so that with one device per stream the thread, left on the last operation's
-    // device by the submission, switches devices once fewer.
     let mut failed = None;
-    for (i, s) in streams.iter().enumerate().rev() {
+    for (i, s) in streams.iter().enumerate() {
         if !uses.iter().any(|u| std::ptr::eq(u.record, *s)) {
             continue;
         }
         let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, *s));
-        let stored = current.set(s.device()).and_then(|()| {
-            record_and_store(
-                held[i].as_ref().expect("held above"),
-                || s.record_event(),
-                |event| {
-                    for v in mine() {
-                        locked[slot(v.tracked)].record(v.stream.id(), v.access, event.clone());
-                        v.stream.note_recorded(event, nccl);
-                    }
-                },
-            )
-        });
+        let stored = record_and_store(
+            held[i].as_ref().expect("held above"),
+            || s.record_event(),
+            |event| {
+                for v in mine() {
+                    locked[slot(v.tracked)].record(v.stream.id(), v.access, event.clone());
+                    v.stream.note_recorded(event, nccl);
+                }
+            },
+        );
         match stored {
             Ok(event) => recorded(s, &event, before.get(i).unwrap_or(&Vec::new())),
             Err(e) => {
@@ -374,7 +380,9 @@ fn capture<R>(
         state.uses.note(u.tracked.clone(), u.access, Tracked::same);
     }
     let mut current = CurrentDevice::default();
-    if let Some(u) = uses.first() {
+    if !matches!(work, Work::Nccl { .. })
+        && let Some(u) = uses.first()
+    {
         current.set(u.stream.device())?;
     }
     submit(&mut current)

@@ -330,8 +330,10 @@ impl Graph {
         engine::enqueue(
             &uses,
             Work::Nccl { comms: &key },
-            |_| {
+            |current| {
                 comm.check_usable()?;
+                // A graph of kernels is launched as CUDA work is, on the current device.
+                current.set(stream.device())?;
                 // Not under the communicator's lock: a launch that blocks (a full queue) must
                 // leave the watchdog free to abort the communicator, which stops the GPU work
                 // it waits behind. A launch racing an abort is harmless: its NCCL kernels see

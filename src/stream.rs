@@ -146,6 +146,13 @@ impl Stream {
 
     /// The raw handle, for calling CUDA or NCCL directly. Work queued through it is not
     /// tracked: the caller takes on the ordering that the safe API otherwise provides.
+    ///
+    /// The handle of a stream made by [`Stream::new`] must not be captured into a CUDA graph
+    /// except through [`crate::Graph`] (no `cudaStreamBeginCapture` on it, nor a capture that
+    /// reaches it through an event wait): handoff does not ask CUDA whether its own streams
+    /// are being captured, and tracked work queued there during such a capture would become
+    /// part of that graph, untracked. (A stream wrapped from cudarc, whose safe API can begin a
+    /// capture, is asked before every tracked operation.)
     pub fn as_raw(&self) -> cudaStream_t {
         self.raw
     }
@@ -214,6 +221,9 @@ impl Stream {
         self.outside_capture(
             "recording an Event (a graph's replays are tracked by handoff)",
             || {
+                // Recorded into someone else's capture, the event would be a node of their
+                // graph, and a stream waiting for it would be drawn into the capture.
+                self.check_not_captured_elsewhere()?;
                 // SAFETY: both handles are live and of the same device.
                 unsafe { cu::event_record(event.raw, self.raw) }
             },
@@ -268,8 +278,14 @@ impl Stream {
 
     /// [`Error::Capture`] when someone other than handoff is capturing this stream into a CUDA
     /// graph: tracking's events recorded there would be part of that graph, never complete as
-    /// events, and later waits on them would order nothing.
+    /// events, and later waits on them would order nothing. Asked of CUDA only for streams
+    /// wrapped from someone else (cudarc's, whose safe API can begin a capture): handoff's own
+    /// are captured only through [`crate::Graph`], as [`Stream::as_raw`] requires, which the
+    /// stream's capture state shows.
     pub(crate) fn check_not_captured_elsewhere(&self) -> Result<()> {
+        if self.owner.is_none() {
+            return Ok(());
+        }
         // SAFETY: the handle is live for as long as `self`.
         if unsafe { cu::stream_is_capturing(self.raw) }? {
             return Err(Error::Capture {

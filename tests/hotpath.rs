@@ -157,6 +157,15 @@ impl Stubs {
         }
     }
 
+    fn set_devices(&self, n: i32) {
+        // SAFETY: `void set(int)`.
+        unsafe {
+            let set: libloading::Symbol<unsafe extern "C" fn(i32)> =
+                self.cudart.get(b"cudart_stub_set_devices\0").expect("setter");
+            set(n);
+        }
+    }
+
     fn snapshot(&self) -> Snapshot {
         let mut calls = Self::mine(&self.cudart, "cudart");
         calls.extend(Self::mine(&self.nccl, "nccl"));
@@ -296,14 +305,14 @@ fn unverified_self_group(stubs: &Stubs) -> Result<(), Failed> {
 }
 
 /// Per group: the NCCL group itself (start, send, receive, end), and one tracking event
-/// recorded after it; the stream's capture state asked once; the thread's device asked once.
+/// recorded after it. Nothing else: the stream is handoff's own, so no capture but handoff's
+/// can be under way on it (its capture state is in the stream's lock); NCCL sets the device
+/// itself, and waits and records take theirs from the stream.
 /// Allocations: the group's lists, verification's, the engine's, an `Arc` per event and the
 /// watchdog's note (22 per group).
 const SELF_GROUP: Expected = Expected {
     calls: &[
         ("cudaEventRecord", OPS),
-        ("cudaGetDevice", OPS),
-        ("cudaStreamIsCapturing", OPS),
         ("ncclGroupEnd", OPS),
         ("ncclGroupStart", OPS),
         ("ncclRecv", OPS),
@@ -332,8 +341,6 @@ fn all_reduce(stubs: &Stubs) -> Result<(), Failed> {
 const ALL_REDUCE: Expected = Expected {
     calls: &[
         ("cudaEventRecord", OPS),
-        ("cudaGetDevice", OPS),
-        ("cudaStreamIsCapturing", OPS),
         ("ncclAllReduce", OPS),
         ("ncclGroupEnd", OPS),
         ("ncclGroupStart", OPS),
@@ -350,14 +357,13 @@ fn produce(stubs: &Stubs) -> Result<(), Failed> {
     check("kernels::produce", &got, &PRODUCE)
 }
 
-/// The launch and one tracking event after it; the stream's capture state; the device, asked
-/// (and set only when it differs).
+/// The launch and one tracking event after it; the current device, asked (a kernel runs on
+/// it), and set only when it differs.
 const PRODUCE: Expected = Expected {
     calls: &[
         ("cudaEventRecord", OPS),
         ("cudaGetDevice", OPS),
         ("cudaLaunchKernel", OPS),
-        ("cudaStreamIsCapturing", OPS),
     ],
     allocs: 13 * OPS,
 };
@@ -372,13 +378,12 @@ fn kernel_graph(stubs: &Stubs) -> Result<(), Failed> {
     check("graph launch (one kernel)", &got, &KERNEL_GRAPH)
 }
 
-/// The launch and one tracking event after it; the stream's capture state; the device.
+/// The launch and one tracking event after it; the current device, asked.
 const KERNEL_GRAPH: Expected = Expected {
     calls: &[
         ("cudaEventRecord", OPS),
         ("cudaGetDevice", OPS),
         ("cudaGraphLaunch", OPS),
-        ("cudaStreamIsCapturing", OPS),
     ],
     allocs: 8 * OPS,
 };
@@ -402,8 +407,7 @@ fn nccl_graph(stubs: &Stubs) -> Result<(), Failed> {
     check("graph launch (self send+receive)", &got, &NCCL_GRAPH)
 }
 
-/// The launch and one tracking event after it; the stream's capture state; the device; the
-/// in-flight bound, which asks the newest replay's event only once 8 replays are in flight
+/// The launch and one tracking event after it; the current device, asked; the in-flight bound, which asks the newest replay's event only once 8 replays are in flight
 /// (every 8th launch here, where each is seen complete). Allocations: the engine's lists, the
 /// event's `Arc`, the watchdog's note.
 const NCCL_GRAPH: Expected = Expected {
@@ -412,10 +416,43 @@ const NCCL_GRAPH: Expected = Expected {
         ("cudaEventRecord", OPS),
         ("cudaGetDevice", OPS),
         ("cudaGraphLaunch", OPS),
-        ("cudaStreamIsCapturing", OPS),
     ],
     allocs: 10 * OPS,
 };
+
+/// On two (stub) devices: a kernel launch makes its device current when another is (and asks
+/// only, when it is already); an NCCL operation leaves the current device alone.
+fn two_devices(stubs: &Stubs) -> Result<(), Failed> {
+    stubs.set_devices(2);
+    let (d0, d1) = (Device::new(0)?, Device::new(1)?);
+    let s0 = Stream::new(&d0)?;
+    let mut x = DeviceBuffer::<f32>::zeros(&s0, 4)?;
+    let run = |label: &str, f: &mut dyn FnMut() -> handoff::Result<()>| -> Result<Snapshot, Failed> {
+        let before = stubs.snapshot();
+        f().map_err(|e| format!("{label}: {e}"))?;
+        Ok(stubs.snapshot().since(&before))
+    };
+    let calls = |s: &Snapshot, name: &str| s.calls.get(name).copied().unwrap_or(0);
+    kernels::produce(&s0, &mut x, 0)?;
+    d1.set_current()?;
+    let switched = run("a launch from device 1", &mut || kernels::produce(&s0, &mut x, 1))?;
+    let stayed = run("a launch from device 0", &mut || kernels::produce(&s0, &mut x, 2))?;
+    println!("two devices: a launch on device 0 from device 1: {switched:?}; again: {stayed:?}");
+    if calls(&switched, "cudaSetDevice") != 1 || calls(&stayed, "cudaSetDevice") != 0 {
+        return Err("a kernel launch must make its stream's device current, once".into());
+    }
+    // NCCL on device 0 while device 1 is current: no device calls of handoff's.
+    let comm = &Communicator::init_all(std::slice::from_ref(&d0))?[0];
+    let mut y = DeviceBuffer::<f32>::zeros(&s0, 4)?;
+    d1.set_current()?;
+    let nccl = run("an all_reduce", &mut || {
+        comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s0)
+    })?;
+    if calls(&nccl, "cudaSetDevice") + calls(&nccl, "cudaGetDevice") != 0 {
+        return Err(format!("an NCCL operation asked or set the device: {nccl:?}").into());
+    }
+    Ok(())
+}
 
 /// The watchdog's queries while [`OPS`] eager operations are queued and then seen complete.
 fn watchdog_queries(stubs: &Stubs) -> Result<(), Failed> {
@@ -557,6 +594,7 @@ fn main() {
         trial("kernel_graph_launch", kernel_graph),
         trial("nccl_graph_launch", nccl_graph),
         trial("watchdog_queries", watchdog_queries),
+        trial("two_devices", two_devices),
         trial(
             "watchdog_survives_a_timeout_too_long_to_multiply",
             watchdog_survives_a_timeout_too_long_to_multiply,

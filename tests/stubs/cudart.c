@@ -13,7 +13,7 @@ enum { OK = 0, ERR_INVALID_VALUE = 1, ERR_INVALID_DEVICE = 101, ERR_NOT_READY = 
 struct stream { int capturing; };
 typedef struct { unsigned x, y, z; } dim3;
 
-static int devices = 1;
+static _Atomic int devices = 1;
 static __thread int current;
 static _Atomic int query_rc = OK;
 
