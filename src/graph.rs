@@ -300,17 +300,29 @@ impl Graph {
     /// [`Error::CommunicatorUnusable`] once the graph's communicator has been aborted; CUDA
     /// errors.
     pub fn launch(&self, stream: &Stream) -> Result<()> {
+        // The one device check of a replay: the buffers' devices were checked as their work was
+        // captured (the source of a peer copy is on another device than the stream), and the
+        // graph's stream was on the graph's device.
         stream.check_device(&self.device, "the graph")?;
         let exec = self.exec.0;
+        let uses: Vec<TrackedUse<'_>> = self
+            .uses
+            .iter()
+            .map(|(t, a)| TrackedUse::on(stream, t, *a))
+            .collect();
         let Some(comm) = &self.comm else {
-            let uses: Vec<(&Tracked, Access)> = self.uses.iter().map(|(t, a)| (t, *a)).collect();
             let work = Work::Uncapturable {
                 what: "launching a graph",
             };
-            // SAFETY (in the closure): the executable graph is live (held by `self`) and of the
-            // stream's device; the engine made the stream wait for every conflicting use of the
-            // graph's buffers, none of which is freed (retired trackers are refused).
-            return stream.enqueue_work(&uses, work, |s| unsafe { cu::graph_launch(exec, s) });
+            // SAFETY: the executable graph is live (held by `self`) and of the stream's device;
+            // the engine made the stream wait for every conflicting use of the graph's buffers,
+            // none of which is freed (retired trackers are refused).
+            let launch = |s| unsafe { cu::graph_launch(exec, s) };
+            if uses.is_empty() {
+                // Still noted as the stream's latest work (see `Stream::enqueue_work`).
+                return stream.enqueue_work(&[], work, launch);
+            }
+            return engine::enqueue(&uses, work, |_| launch(stream.as_raw()), |_, _, _| {});
         };
         if stream.id() != self.captured_on {
             return Err(Error::InvalidArgument(
@@ -319,12 +331,6 @@ impl Graph {
                     .into(),
             ));
         }
-        let uses: Vec<TrackedUse<'_>> = self
-            .uses
-            .iter()
-            .map(|(t, a)| TrackedUse::on(stream, t, *a))
-            .collect();
-        engine::check_devices(&uses)?;
         self.bound_in_flight(comm)?;
         let key = [comm.key()];
         engine::enqueue(

@@ -385,7 +385,7 @@ const KERNEL_GRAPH: Expected = Expected {
         ("cudaGetDevice", OPS),
         ("cudaGraphLaunch", OPS),
     ],
-    allocs: 8 * OPS,
+    allocs: 7 * OPS,
 };
 
 /// A replay of a graph of one self send+receive group on the graph's own communicator.
@@ -421,11 +421,13 @@ const NCCL_GRAPH: Expected = Expected {
 };
 
 /// On two (stub) devices: a kernel launch makes its device current when another is (and asks
-/// only, when it is already); an NCCL operation leaves the current device alone.
+/// only, when it is already); an NCCL operation leaves the current device alone; a graph that
+/// captured a peer copy (its source on the other device) replays, on a stream of its own device
+/// only.
 fn two_devices(stubs: &Stubs) -> Result<(), Failed> {
     stubs.set_devices(2);
     let (d0, d1) = (Device::new(0)?, Device::new(1)?);
-    let s0 = Stream::new(&d0)?;
+    let (s0, s1) = (Stream::new(&d0)?, Stream::new(&d1)?);
     let mut x = DeviceBuffer::<f32>::zeros(&s0, 4)?;
     let run = |label: &str, f: &mut dyn FnMut() -> handoff::Result<()>| -> Result<Snapshot, Failed> {
         let before = stubs.snapshot();
@@ -450,6 +452,21 @@ fn two_devices(stubs: &Stubs) -> Result<(), Failed> {
     })?;
     if calls(&nccl, "cudaSetDevice") + calls(&nccl, "cudaGetDevice") != 0 {
         return Err(format!("an NCCL operation asked or set the device: {nccl:?}").into());
+    }
+    // A peer copy captured: b (device 0) from a (device 1).
+    let a = DeviceBuffer::from_slice(&s1, &[1.0f32, 2.0, 3.0, 4.0])?;
+    let mut b = DeviceBuffer::<f32>::zeros(&s0, 4)?;
+    let graph = Graph::capture(&s0, |s| b.copy_from(&a, s))?;
+    for _ in 0..3 {
+        graph
+            .launch(&s0)
+            .map_err(|e| format!("a graph with a peer copy must launch: {e}"))?;
+    }
+    match graph.launch(&s1) {
+        Err(handoff::Error::InvalidArgument(m)) if m.contains("the graph is on device 0") => {}
+        other => {
+            return Err(format!("a launch on another device's stream must be refused: {other:?}").into());
+        }
     }
     Ok(())
 }
