@@ -317,12 +317,23 @@ pub(crate) fn enqueue<R>(
     // itself, and restores the caller's (`ncclEnqueueCheck`, enqueue.cc 2618-2631 of NCCL
     // 2.28.3; `ncclGroupEndInternal` and `groupLaunch`, group.cc 598 and 742-744). CUDA work
     // (a kernel launch, a copy) runs on the current device's: its stream's device (CUDA work
-    // is queued on one stream) is made current just before it is submitted. A new tracking event is made on its device by the
-    // pool.
+    // is queued on one stream) is made current just before it is submitted. A new tracking
+    // event is made on its device by the pool.
     for u in uses {
         let sink = before.get_mut(index(u.record));
         u.stream
             .wait_for_conflicts(&locked[slot(u.tracked)], u.access, sink)?;
+    }
+    // The events to record after the work, taken before it is submitted: an event that cannot
+    // be made fails the operation before anything is queued.
+    let is_record = |s: &Stream| uses.iter().any(|u| std::ptr::eq(u.record, s));
+    let mut events: Vec<Option<Arc<PooledEvent>>> = Vec::with_capacity(streams.len());
+    for s in &streams {
+        events.push(if is_record(s) {
+            Some(s.device().take_event()?)
+        } else {
+            None
+        });
     }
     let mut current = CurrentDevice::default();
     if let (false, Some(s)) = (nccl, streams.first()) {
@@ -331,13 +342,13 @@ pub(crate) fn enqueue<R>(
     let out = submit(&mut current);
     let mut failed = None;
     for (i, s) in streams.iter().enumerate() {
-        if !uses.iter().any(|u| std::ptr::eq(u.record, *s)) {
+        let Some(event) = events[i].take() else {
             continue;
-        }
+        };
         let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, *s));
         let stored = record_and_store(
             held[i].as_ref().expect("held above"),
-            || s.record_event(),
+            || s.record_pooled(event),
             |event| {
                 for v in mine() {
                     locked[slot(v.tracked)].record(v.stream.id(), v.access, event.clone());
@@ -349,8 +360,20 @@ pub(crate) fn enqueue<R>(
             Ok(event) => recorded(s, &event, before.get(i).unwrap_or(&Vec::new())),
             Err(e) => {
                 // The work is queued but untracked. Once it has completed it needs no tracking,
-                // and the trackers' older entries stay correct. If even waiting fails, the
-                // device is in CUDA's sticky error state, where no further work runs.
+                // and the trackers' older entries stay correct, so the host waits for it here,
+                // with the locks held. NCCL work could wait for a peer forever, and the
+                // watchdog never saw it: its communicators are aborted first, which ends their
+                // kernels, so the wait is bounded. If even waiting fails, the device is in
+                // CUDA's sticky error state, where no further work runs.
+                if let Work::Nccl { comms } = work {
+                    let reason = format!(
+                        "the event tracking an NCCL operation could not be recorded after it ({e}): \
+                         the operation cannot be watched, so its communicator was aborted"
+                    );
+                    for &key in comms {
+                        crate::nccl::Communicator::abort_by_key(key, &reason);
+                    }
+                }
                 for v in mine() {
                     let _ = v.stream.synchronize_raw();
                 }

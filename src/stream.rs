@@ -386,7 +386,12 @@ impl Stream {
 
     /// A pooled event recorded here now.
     pub(crate) fn record_event(&self) -> Result<Arc<PooledEvent>> {
-        let event = self.device.take_event()?;
+        self.record_pooled(self.device.take_event()?)
+    }
+
+    /// Records `event`, a pooled event of this stream's device referred to by no tracker yet,
+    /// here now.
+    pub(crate) fn record_pooled(&self, event: Arc<PooledEvent>) -> Result<Arc<PooledEvent>> {
         // SAFETY: both handles are live and of the same device.
         unsafe { cu::event_record(event.raw, self.raw)? };
         Ok(event)

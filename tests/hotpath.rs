@@ -80,6 +80,7 @@ fn build_stubs() -> Result<(PathBuf, PathBuf), String> {
             .arg("-o")
             .arg(&target)
             .arg(src.join(c))
+            .arg("-ldl")
             .status()
             .map_err(|e| format!("could not run the C compiler {cc:?} (set CC): {e}"))?;
         if !status.success() {
@@ -154,6 +155,16 @@ impl Stubs {
             let set: libloading::Symbol<unsafe extern "C" fn(i32)> =
                 self.nccl.get(b"nccl_stub_set_async_error\0").expect("setter");
             set(rc);
+        }
+    }
+
+    fn call(&self, name: &str, arg: i32) {
+        let sym = format!("{name}\0");
+        // SAFETY: the stub's setters are `void set(int)`.
+        unsafe {
+            let set: libloading::Symbol<unsafe extern "C" fn(i32)> =
+                self.cudart.get(sym.as_bytes()).expect("setter");
+            set(arg);
         }
     }
 
@@ -318,12 +329,12 @@ const SELF_GROUP: Expected = Expected {
         ("ncclRecv", OPS),
         ("ncclSend", OPS),
     ],
-    allocs: 22 * OPS,
+    allocs: 23 * OPS,
 };
 
 const UNVERIFIED_SELF_GROUP: Expected = Expected {
     calls: SELF_GROUP.calls,
-    allocs: 18 * OPS,
+    allocs: 19 * OPS,
 };
 
 /// A verified all_reduce over one rank.
@@ -345,7 +356,7 @@ const ALL_REDUCE: Expected = Expected {
         ("ncclGroupEnd", OPS),
         ("ncclGroupStart", OPS),
     ],
-    allocs: 25 * OPS,
+    allocs: 26 * OPS,
 };
 
 /// `kernels::produce`: one kernel writing one buffer.
@@ -365,7 +376,7 @@ const PRODUCE: Expected = Expected {
         ("cudaGetDevice", OPS),
         ("cudaLaunchKernel", OPS),
     ],
-    allocs: 13 * OPS,
+    allocs: 14 * OPS,
 };
 
 /// A replay of a graph of one kernel.
@@ -385,7 +396,7 @@ const KERNEL_GRAPH: Expected = Expected {
         ("cudaGetDevice", OPS),
         ("cudaGraphLaunch", OPS),
     ],
-    allocs: 7 * OPS,
+    allocs: 8 * OPS,
 };
 
 /// A replay of a graph of one self send+receive group on the graph's own communicator.
@@ -417,7 +428,7 @@ const NCCL_GRAPH: Expected = Expected {
         ("cudaGetDevice", OPS),
         ("cudaGraphLaunch", OPS),
     ],
-    allocs: 10 * OPS,
+    allocs: 11 * OPS,
 };
 
 /// On two (stub) devices: a kernel launch makes its device current when another is (and asks
@@ -467,6 +478,38 @@ fn two_devices(stubs: &Stubs) -> Result<(), Failed> {
         other => {
             return Err(format!("a launch on another device's stream must be refused: {other:?}").into());
         }
+    }
+    Ok(())
+}
+
+/// Hostile-peers hole 7: when the event after an NCCL operation cannot be recorded, the
+/// operation is neither tracked nor watched, and the host waits for its stream instead; that
+/// wait, with the stream's locks held, must be bounded: the communicator is aborted first
+/// (which ends its kernels: here, the stub's blocked synchronize).
+fn failed_record_after_nccl_work(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let comms = Communicator::init_all(std::slice::from_ref(&dev))?;
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    stubs.call("cudart_stub_block_syncs", 1);
+    stubs.call("cudart_stub_fail_event_records", 1);
+    let (done, finished) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let r = comms[0].all_reduce(&x, &mut y, ReduceOp::Sum, &s);
+        let _ = done.send((r, comms[0].broken_reason()));
+        (comms, s, x, y)
+    });
+    let outcome = finished.recv_timeout(Duration::from_secs(10));
+    stubs.call("cudart_stub_block_syncs", 0);
+    stubs.call("cudart_stub_fail_event_records", 0);
+    let _ = worker.join();
+    let Ok((r, broken)) = outcome else {
+        return Err("the wait after a failed event record on NCCL work did not end (10 s)".into());
+    };
+    println!("failed record: {r:?}; communicator: {broken:?}");
+    if r.is_ok() || !broken.is_some_and(|b| b.contains("could not be recorded")) {
+        return Err("the operation must fail and its communicator be aborted".into());
     }
     Ok(())
 }
@@ -612,6 +655,7 @@ fn main() {
         trial("nccl_graph_launch", nccl_graph),
         trial("watchdog_queries", watchdog_queries),
         trial("two_devices", two_devices),
+        trial("failed_record_after_nccl_work", failed_record_after_nccl_work),
         trial(
             "watchdog_survives_a_timeout_too_long_to_multiply",
             watchdog_survives_a_timeout_too_long_to_multiply,

@@ -876,6 +876,14 @@ impl Communicator {
         Arc::as_ptr(&self.shared) as usize
     }
 
+    /// Aborts the communicator whose [`Communicator::key`] is `key`, if it is still alive, for
+    /// `reason` (for the engine, which knows an operation's communicators by key only).
+    pub(crate) fn abort_by_key(key: usize, reason: &str) {
+        if let Some(shared) = watchdog::watched(key) {
+            shared.break_with(reason.to_string(), Cut::All);
+        }
+    }
+
     /// Marks the communicator unusable because of `e` and aborts it.
     pub(crate) fn break_with(&self, e: &Error) {
         self.shared.break_with(e.to_string(), Cut::Incomplete);

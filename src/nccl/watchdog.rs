@@ -110,6 +110,17 @@ pub(crate) fn watch(shared: &Arc<Shared>) -> Result<()> {
     }
 }
 
+/// The watched communicator whose state is at `key` (`Communicator::key`), if it is alive.
+pub(crate) fn watched(key: usize) -> Option<Arc<Shared>> {
+    let Some(Ok(list)) = WATCHED.get() else {
+        return None;
+    };
+    let list = list.lock().unwrap_or_else(|p| p.into_inner());
+    list.iter()
+        .find(|w| w.as_ptr() as usize == key)
+        .and_then(Weak::upgrade)
+}
+
 /// Runs `body` (the watchdog's loop, which never returns) and records in `dead` why it ended.
 fn guarded(dead: &OnceLock<String>, body: impl FnOnce()) {
     let how = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {

@@ -1,6 +1,7 @@
 /* A stub libnccl.so.2 for tests/hotpath.rs: every function the crate binds, each returning
  * ncclSuccess at once and counting its calls (count.h). Moves no data. */
 #include <stdio.h>
+#include <dlfcn.h>
 #include <stdlib.h>
 #include "count.h"
 
@@ -38,7 +39,17 @@ res_t ncclCommSplit(struct comm *c, int color, int key, struct comm **out, void 
 }
 res_t ncclCommFinalize(struct comm *c) { COUNT(); (void)c; return 0; }
 res_t ncclCommDestroy(struct comm *c) { COUNT(); free(c); return 0; }
-res_t ncclCommAbort(struct comm *c) { COUNT(); free(c); return 0; }
+/* An abort ends the communicator's kernels: the stub runtime's blocked waits end. */
+res_t ncclCommAbort(struct comm *c) {
+    COUNT();
+    free(c);
+    const char *rt = getenv("HANDOFF_CUDART_PATH");
+    void *h = rt ? dlopen(rt, RTLD_NOW | RTLD_NOLOAD) : NULL;
+    void (*unblock)(int) = h ? (void (*)(int))dlsym(h, "cudart_stub_block_syncs") : NULL;
+    if (unblock) unblock(0);
+    if (h) dlclose(h);
+    return 0;
+}
 res_t ncclCommGetAsyncError(struct comm *c, res_t *e) { COUNT(); (void)c; *e = atomic_load(&async_error); return 0; }
 res_t ncclCommCount(struct comm *c, int *n) { COUNT(); *n = c->nranks; return 0; }
 res_t ncclCommCuDevice(struct comm *c, int *d) { COUNT(); (void)c; *d = 0; return 0; }
