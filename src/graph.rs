@@ -305,7 +305,7 @@ impl Graph {
         // graph's stream was on the graph's device.
         stream.check_device(&self.device, "the graph")?;
         let exec = self.exec.0;
-        let uses: Vec<TrackedUse<'_>> = self
+        let uses: engine::Few<TrackedUse<'_>, 8> = self
             .uses
             .iter()
             .map(|(t, a)| TrackedUse::on(stream, t, *a))

@@ -319,7 +319,7 @@ impl Stream {
         work: Work<'_>,
         op: impl FnOnce(cudaStream_t) -> Result<R>,
     ) -> Result<R> {
-        let uses: Vec<TrackedUse<'_>> = uses
+        let uses: engine::Few<TrackedUse<'_>, 8> = uses
             .iter()
             .map(|&(tracked, access)| TrackedUse::on(self, tracked, access))
             .collect();
@@ -366,7 +366,7 @@ impl Stream {
         &self,
         tracker: &UseTracker<Arc<PooledEvent>>,
         access: Access,
-        mut waited: Option<&mut Vec<Arc<PooledEvent>>>,
+        mut waited: Option<&mut engine::Before>,
     ) -> Result<()> {
         for e in tracker.waits(self.id, access) {
             // SAFETY: the stream is live; the event is kept alive by the tracker.

@@ -67,9 +67,15 @@ pub struct Communicator {
     pub(crate) clique: Option<Arc<()>>,
     /// Given to a graph ([`crate::Graph::capture_with`]), which owns it from then on.
     pub(crate) in_graph: bool,
+    /// The origin of the last operation's tracking event, and the peers it received from: a
+    /// next operation with the same peers shares it (see [`Communicator::note_pending`]).
+    last_origin: std::cell::RefCell<Option<PeersOrigin>>,
     /// NCCL calls on one communicator must not run concurrently: not `Sync`.
     _not_sync: PhantomData<Cell<()>>,
 }
+
+/// The peers an operation received from, and its tracking event's origin.
+type PeersOrigin = (Vec<usize>, Arc<dyn Origin>);
 
 /// What the communicator shares with the watchdog, behind one lock that every NCCL call on the
 /// communicator holds, so that the watchdog's abort never runs concurrently with one.
@@ -317,6 +323,7 @@ impl Communicator {
             boxes: None,
             clique: None,
             in_graph: false,
+            last_origin: std::cell::RefCell::new(None),
             _not_sync: PhantomData,
         }
     }
@@ -893,7 +900,18 @@ impl Communicator {
     /// ran `before` first and received from `peers`, for [`Communicator::synchronize`], the
     /// watchdog and host reads.
     pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: &Before, peers: Vec<usize>) {
-        self.note_pending_from(event, before, &self.origin(peers));
+        // The same peers as the last time (an application's steady state): the same origin.
+        let mut last = self.last_origin.borrow_mut();
+        let origin = match last.as_ref() {
+            Some((p, o)) if *p == peers => o.clone(),
+            _ => {
+                let o = self.origin(peers.clone());
+                *last = Some((peers, o.clone()));
+                o
+            }
+        };
+        drop(last);
+        self.note_pending_from(event, before, &origin);
     }
 
     /// What a tracking event after work of this communicator receiving from `peers` asks, at a

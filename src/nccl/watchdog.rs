@@ -324,7 +324,7 @@ fn check(shared: &Shared, gpu: &impl Gpu) {
         {
             if ready {
                 front.started.get_or_insert(seen);
-                front.after = Vec::new();
+                front.after = Default::default();
             } else {
                 held_up = true;
             }
@@ -449,7 +449,7 @@ mod tests {
     fn queue(shared: &Shared, events: impl IntoIterator<Item = usize>) {
         let mut state = shared.lock();
         for e in events {
-            state.push_pending(device().fake_event(e), Vec::new());
+            state.push_pending(device().fake_event(e), Default::default());
         }
     }
 
@@ -533,7 +533,8 @@ mod tests {
     fn the_deadline_starts_once_what_the_stream_ran_before_has_completed() {
         let s = shared(true);
         let d = device();
-        s.lock().push_pending(d.fake_event(10), vec![d.fake_event(5)]);
+        s.lock()
+            .push_pending(d.fake_event(10), [d.fake_event(5)].into_iter().collect());
         let gpu = Fake::new(&s, 4);
         check(&s, &gpu);
         let started = |s: &Shared| s.lock().pending.front().and_then(|p| p.started);
@@ -541,7 +542,7 @@ mod tests {
         gpu.done.set(5);
         check(&s, &gpu);
         assert!(started(&s).is_some());
-        assert!(s.lock().pending[0].after.is_empty(), "no longer needed");
+        assert_eq!(s.lock().pending[0].after.iter().count(), 0, "no longer needed");
     }
 
     #[test]
