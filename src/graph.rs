@@ -241,8 +241,12 @@ impl Graph {
             if let Some(c) = comm.as_mut() {
                 c.give_to_graph()?;
             }
-            // SAFETY: the stream is live, and not being captured (checked above, under the
-            // stream's order, which every tracked operation on it takes).
+            // SAFETY: the stream is live and not being captured: not by handoff (its capture
+            // state, checked above under the stream's order, which every tracked operation on it
+            // takes), not by anyone else (asked of CUDA above for a wrapped stream; for
+            // handoff's own, `Stream::as_raw`'s contract). This is the capture through `Graph`
+            // that the function's contract leaves to handoff: the capture state set below, under
+            // the same lock, sends every tracked operation on the stream to the capture branch.
             unsafe { cu::stream_begin_capture(stream.as_raw()) }?;
             *state = Some(CaptureState {
                 comm: comm.as_ref().map(Communicator::key),
