@@ -230,19 +230,41 @@ const OPS: u64 = 64;
 /// The watchdog's period is 20 ms: this covers a few of its looks.
 const SETTLE: Duration = Duration::from_millis(100);
 
-/// Runs `op` OPS times, after a warm-up of as many, and returns the calling thread's counts for
-/// the measured ones. With `events_pending`, the warm-up runs while the stub's events report
-/// not complete, so that the watchdog keeps every operation queued, and the queue and the
-/// event pool reach the size the measured run needs: steady state, whatever the watchdog's
-/// timing (it empties the queue during the settle that follows).
-fn measure(stubs: &Stubs, events_pending: bool, mut op: impl FnMut(u32) -> handoff::Result<()>) -> Snapshot {
-    if events_pending {
+/// What the watchdog has to do with a measured operation.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Watched {
+    /// Nothing: no communicator.
+    No,
+    /// Its communicator's queue: the warm-up waits for the watchdog to empty it.
+    Yes,
+    /// As `Yes`, and the warm-up runs while the stub's events report not complete, so that
+    /// the watchdog keeps every operation queued, and the queue and the event pool reach the
+    /// size the measured run needs (steady state, whatever the watchdog's timing).
+    WhileRunning,
+}
+
+/// Runs `op` OPS times, after a warm-up of twice as many, and returns the calling thread's
+/// counts for the measured ones.
+fn measure(stubs: &Stubs, watched: Watched, mut op: impl FnMut(u32) -> handoff::Result<()>) -> Snapshot {
+    if watched == Watched::WhileRunning {
         stubs.set_event_query(NOT_READY);
     }
     for i in 0..2 * OPS as u32 {
         op(i).expect("warm-up");
     }
+    let others =
+        || stubs.all("cudaEventQuery") - stubs.snapshot().calls.get("cudaEventQuery").copied().unwrap_or(0);
+    // Counted after the switch, so that a look counted after it saw every event complete.
     stubs.set_event_query(0);
+    let looked = others();
+    if watched != Watched::No {
+        // A look of the watchdog's since every event completed has emptied the queue (and
+        // handed the events back to the pool); then one look more, to be sure it was applied.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while others() == looked && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
     std::thread::sleep(SETTLE);
     let before = stubs.snapshot();
     let allocs = ALLOCS.with(Cell::get);
@@ -298,7 +320,7 @@ fn self_group(stubs: &Stubs, options: CommOptions, what: &str, want: &Expected) 
     let s = Stream::new(&dev)?;
     let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
     let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
-    let got = measure(stubs, true, |_| {
+    let got = measure(stubs, Watched::WhileRunning, |_| {
         group(|g| {
             g.send(comm, &x, 0, &s)?;
             g.recv(comm, &mut y, 0, &s)
@@ -362,7 +384,9 @@ fn all_reduce(stubs: &Stubs) -> Result<(), Failed> {
     let s = Stream::new(&dev)?;
     let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
     let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
-    let got = measure(stubs, true, |_| comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s));
+    let got = measure(stubs, Watched::WhileRunning, |_| {
+        comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
+    });
     check("verified all_reduce", &got, &ALL_REDUCE)
 }
 
@@ -384,7 +408,7 @@ fn produce(stubs: &Stubs) -> Result<(), Failed> {
     let dev = device();
     let s = Stream::new(&dev)?;
     let mut x = DeviceBuffer::<f32>::zeros(&s, 4)?;
-    let got = measure(stubs, false, |round| kernels::produce(&s, &mut x, round));
+    let got = measure(stubs, Watched::No, |round| kernels::produce(&s, &mut x, round));
     check("kernels::produce", &got, &PRODUCE)
 }
 
@@ -406,7 +430,7 @@ fn kernel_graph(stubs: &Stubs) -> Result<(), Failed> {
     let s = Stream::new(&dev)?;
     let mut x = DeviceBuffer::<f32>::zeros(&s, 4)?;
     let graph = Graph::capture(&s, |s| kernels::produce(s, &mut x, 1))?;
-    let got = measure(stubs, false, |_| graph.launch(&s));
+    let got = measure(stubs, Watched::No, |_| graph.launch(&s));
     check("graph launch (one kernel)", &got, &KERNEL_GRAPH)
 }
 
@@ -436,7 +460,7 @@ fn nccl_graph(stubs: &Stubs) -> Result<(), Failed> {
             g.recv(c, &mut y, 0, s)
         })
     })?;
-    let got = measure(stubs, false, |_| graph.launch(&s));
+    let got = measure(stubs, Watched::Yes, |_| graph.launch(&s));
     check("graph launch (self send+receive)", &got, &NCCL_GRAPH)
 }
 
@@ -551,6 +575,7 @@ fn watchdog_queries(stubs: &Stubs) -> Result<(), Failed> {
     let all = |stubs: &Stubs| stubs.all("cudaEventQuery");
     let mine = |stubs: &Stubs| stubs.snapshot().calls.get("cudaEventQuery").copied().unwrap_or(0);
     let (all0, mine0) = (all(stubs), mine(stubs));
+    let t0 = std::time::Instant::now();
     stubs.set_event_query(NOT_READY);
     for _ in 0..OPS {
         op()?;
@@ -559,22 +584,26 @@ fn watchdog_queries(stubs: &Stubs) -> Result<(), Failed> {
     stubs.set_event_query(0);
     std::thread::sleep(SETTLE);
     let watchdog = (all(stubs) - all0) - (mine(stubs) - mine0);
-    println!("watchdog: {watchdog} cudaEventQuery calls for {OPS} operations queued and completed");
-    if watchdog > WATCHDOG_QUERIES_AT_MOST {
+    // The watchdog queries no event per operation: per look (one every 20 ms at most) at most
+    // the newest's event, the oldest's, and what the oldest waits behind while they are
+    // "running", then the newest alone once it has completed: 3 per look, and a look to spare
+    // at each end. About 16 in two settles of 100 ms; queried oldest first, one per operation,
+    // it was 74.
+    let looks = t0.elapsed().as_millis() as u64 / 20 + 2;
+    let at_most = 3 * looks;
+    println!(
+        "watchdog: {watchdog} cudaEventQuery calls for {OPS} operations queued and completed (at \
+         most {at_most} allowed)"
+    );
+    if watchdog > at_most {
         return Err(format!(
             "the watchdog made {watchdog} event queries for {OPS} queued operations (at most \
-             {WATCHDOG_QUERIES_AT_MOST}: it looks at the newest first)"
+             {at_most}: it looks at the newest first)"
         )
         .into());
     }
     Ok(())
 }
-
-/// The watchdog queries no event per operation: per look (every 20 ms, so about 5 per settle of
-/// 100 ms) at most the newest's event, the oldest's, and what the oldest waits behind while
-/// they are "running" (3), then the newest alone once it has completed (1); 2 settles, with a
-/// look to spare in each: 6 × 3 + 6 × 1. Queried oldest first, one per operation, it was 74.
-const WATCHDOG_QUERIES_AT_MOST: u64 = 24;
 
 /// Set in the child process of `watchdog_survives_a_timeout_too_long_to_multiply`.
 const CHILD: &str = "HANDOFF_HOTPATH_CHILD";
@@ -631,7 +660,10 @@ fn child_watchdog_max_timeout(stubs: &Stubs) -> Result<(), Failed> {
     std::thread::sleep(SETTLE);
     // The watchdog, still alive, must see NCCL's error and abort the communicator.
     stubs.set_async_error(3);
-    std::thread::sleep(SETTLE);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while comm.broken_reason().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     stubs.set_event_query(0);
     let broken = comm.broken_reason();
     stubs.set_async_error(0);
