@@ -215,7 +215,8 @@ impl Stream {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if the event belongs to another device; [`Error::Capture`]
-    /// while a graph is being captured here; CUDA errors.
+    /// while a graph is being captured here (by handoff, or through cudarc on a stream wrapped
+    /// from it); CUDA errors.
     pub fn record(&self, event: &Event) -> Result<()> {
         self.check_device(&event.device, "the event")?;
         self.outside_capture(

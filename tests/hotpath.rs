@@ -87,9 +87,7 @@ fn build_stubs() -> Result<(PathBuf, PathBuf), NoStubs> {
     for (c, so) in [("cudart.c", "libcudart.so.13"), ("nccl.c", "libnccl.so.2")] {
         let target = out.join(so);
         let status = std::process::Command::new(&cc)
-            .args([
-                "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-pthread", "-I",
-            ])
+            .args(["-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-pthread", "-I"])
             .arg(&src)
             .arg("-o")
             .arg(&target)
