@@ -476,10 +476,34 @@ fn call_costs(s: &Setup) -> handoff::Result<()> {
     })?;
     // SAFETY: the event is not used afterwards.
     unsafe { handoff::result::event_destroy(ev) }?;
+    // A tracked kernel launch (kernel A of the article) against a raw `cudaLaunchKernel` of the
+    // same kernel on the same stream and buffer.
+    let mut x = DeviceBuffer::<f32>::zeros(&s.recv_s, 4)?;
+    let produce = time(&mut || handoff::kernels::produce(&s.recv_s, &mut x, 0))?;
+    s.recv_s.synchronize()?;
+    let module = handoff::Module::from_ptx(include_str!("../src/sys/generated/article.ptx"))?;
+    let kernel = module.function("handoff_produce")?;
+    kernel.load_on(s.recv_s.device())?;
+    let (mut ptr, mut n, mut round) = (x.as_raw_mut_ptr() as u64, x.len() as u64, 0u32);
+    let mut args = [
+        (&raw mut ptr).cast::<std::ffi::c_void>(),
+        (&raw mut n).cast(),
+        (&raw mut round).cast(),
+    ];
+    s.recv_s.device().set_current()?;
+    // SAFETY: handoff_produce(float* x, u64 n, u32 round) writes x[0..n] only; `x` is live and
+    // its tracked uses completed (synchronized above); the arguments outlive each call; the
+    // stream is synchronized before `x` is used again.
+    let raw_launch = time(&mut || unsafe {
+        handoff::result::launch_kernel(kernel.as_raw(), (1, 1, 1), (256, 1, 1), 0, &mut args, raw_s)
+    })?;
+    s.recv_s.synchronize()?;
     println!(
         "# host cost per call: cudaEventRecord {record:.0} ns, cudaStreamWaitEvent {wait:.0} ns, \
          cudaGetDevice {get_device:.0} ns, cudaStreamIsCapturing {is_capturing:.0} ns, a small heap \
-         allocation {pair:.0} ns"
+         allocation {pair:.0} ns; kernels::produce {produce:.0} ns, a raw cudaLaunchKernel of it \
+         {raw_launch:.0} ns ({:+.0} ns)",
+        produce - raw_launch
     );
     Ok(())
 }

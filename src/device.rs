@@ -12,8 +12,11 @@ use crate::sys::cudart::{cudaError_t, cudaEvent_t, cudaStream_t};
 /// One CUDA device, as seen by this process (after `CUDA_VISIBLE_DEVICES`).
 ///
 /// Cheap to clone; streams, events and buffers keep their device's state alive. Every call of
-/// the safe API makes its device current on the calling thread first (`cudaSetDevice`), so one
-/// thread may drive several devices; code that mixes in raw runtime calls must set its own.
+/// the safe API that runs on the current device (creating a stream or an event, a kernel
+/// launch, a copy, an allocation, a graph launch) makes its device current on the calling
+/// thread first (`cudaSetDevice`, only when another is current), so one thread may drive
+/// several devices; NCCL operations leave the current device as NCCL does (it restores it).
+/// Code that mixes in raw runtime calls must set its own.
 #[derive(Clone)]
 pub struct Device {
     pub(crate) inner: Arc<DeviceInner>,
@@ -240,6 +243,18 @@ impl Device {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(s);
+    }
+
+    /// A tracking event over a made-up handle, for CPU tests that never give it to CUDA. The
+    /// device must outlive the test without being dropped (its drop destroys pooled events).
+    #[cfg(test)]
+    pub(crate) fn fake_event(&self, raw: usize) -> Arc<PooledEvent> {
+        Arc::new(PooledEvent {
+            raw: raw as cudaEvent_t,
+            device: self.inner.clone(),
+            poison: OnceCell::new(),
+            origin: OnceCell::new(),
+        })
     }
 
     /// A tracking event, from the pool or new.

@@ -192,7 +192,8 @@ impl<'a> TrackedUse<'a> {
 }
 
 /// Switches the calling thread's current device only when it changes (each switch is a
-/// runtime call).
+/// runtime call): made current by the engine before CUDA work is submitted, never for NCCL
+/// work.
 #[derive(Default)]
 pub(crate) struct CurrentDevice(Option<usize>);
 
@@ -217,7 +218,135 @@ pub(crate) fn check_devices(uses: &[TrackedUse<'_>]) -> Result<()> {
 /// What an NCCL group's streams ran before it: the group can start on the GPU only once these
 /// have completed (the stream's previous tracked work, and the uses it was made to wait for).
 /// The communicator's watchdog counts its deadline from there.
-pub(crate) type Before = Vec<Arc<PooledEvent>>;
+pub(crate) type Before = Slots<Arc<PooledEvent>, 2>;
+
+/// A short list of `Copy` items, inline (no heap allocation) up to `N`, on the heap beyond:
+/// the hot path's lists of streams, buffers and uses, usually one to four long.
+#[derive(Clone)]
+pub(crate) enum Few<T: Copy, const N: usize> {
+    /// Nothing yet.
+    Empty,
+    /// The first `len` items; the rest are copies of the first, never read.
+    Inline([T; N], usize),
+    /// More than `N`.
+    Heap(Vec<T>),
+}
+
+impl<T: Copy, const N: usize> Few<T, N> {
+    pub(crate) fn push(&mut self, t: T) {
+        match self {
+            Few::Empty => *self = Few::Inline([t; N], 1),
+            Few::Inline(items, len) if *len < N => {
+                items[*len] = t;
+                *len += 1;
+            }
+            Few::Inline(items, _) => {
+                let mut v = Vec::with_capacity(2 * N);
+                v.extend_from_slice(items);
+                v.push(t);
+                *self = Few::Heap(v);
+            }
+            Few::Heap(v) => v.push(t),
+        }
+    }
+
+    pub(crate) fn as_slice(&self) -> &[T] {
+        match self {
+            Few::Empty => &[],
+            Few::Inline(items, len) => &items[..*len],
+            Few::Heap(v) => v,
+        }
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [T] {
+        match self {
+            Few::Empty => &mut [],
+            Few::Inline(items, len) => &mut items[..*len],
+            Few::Heap(v) => v,
+        }
+    }
+}
+
+impl<T: Copy, const N: usize> FromIterator<T> for Few<T, N> {
+    fn from_iter<I: IntoIterator<Item = T>>(iter: I) -> Self {
+        let mut out = Few::Empty;
+        for t in iter {
+            out.push(t);
+        }
+        out
+    }
+}
+
+impl<T: Copy, const N: usize> std::ops::Deref for Few<T, N> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.as_slice()
+    }
+}
+
+/// A short list of items of any type, inline up to `N` (as `Option`s), on the heap beyond: the
+/// hot path's guards, events and [`Before`] lists.
+#[derive(Clone)]
+pub(crate) struct Slots<T, const N: usize> {
+    inline: [Option<T>; N],
+    heap: Vec<T>,
+}
+
+impl<T, const N: usize> Default for Slots<T, N> {
+    fn default() -> Self {
+        Slots {
+            inline: std::array::from_fn(|_| None),
+            heap: Vec::new(),
+        }
+    }
+}
+
+impl<T, const N: usize> Slots<T, N> {
+    /// Adds `t` after the others.
+    pub(crate) fn push(&mut self, t: T) {
+        match self.inline.iter_mut().find(|s| s.is_none()) {
+            Some(slot) if self.heap.is_empty() => *slot = Some(t),
+            _ => self.heap.push(t),
+        }
+    }
+
+    /// The `i`th item pushed.
+    pub(crate) fn get(&self, i: usize) -> Option<&T> {
+        match i.checked_sub(N) {
+            None => self.inline[i].as_ref(),
+            Some(j) => self.heap.get(j),
+        }
+    }
+
+    /// The `i`th item pushed.
+    pub(crate) fn get_mut(&mut self, i: usize) -> Option<&mut T> {
+        match i.checked_sub(N) {
+            None => self.inline[i].as_mut(),
+            Some(j) => self.heap.get_mut(j),
+        }
+    }
+
+    /// Every item, in the order pushed.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
+        self.inline.iter().flatten().chain(&self.heap)
+    }
+}
+
+impl<T, const N: usize> FromIterator<T> for Slots<T, N> {
+    fn from_iter<I: IntoIterator<Item = T>>(iter: I) -> Self {
+        let mut out = Slots::default();
+        out.extend(iter);
+        out
+    }
+}
+
+impl<T, const N: usize> Extend<T> for Slots<T, N> {
+    fn extend<I: IntoIterator<Item = T>>(&mut self, iter: I) {
+        for t in iter {
+            self.push(t);
+        }
+    }
+}
 
 /// What kind of work an [`enqueue`] queues.
 #[derive(Clone, Copy)]
@@ -253,42 +382,46 @@ pub(crate) fn enqueue<R>(
     mut recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
 ) -> Result<R> {
     let nccl = matches!(work, Work::Nccl { .. });
-    // Each distinct stream once, in first-use order (few uses: a linear scan is fine). Record
-    // streams are among them.
-    let mut streams: Vec<&Stream> = Vec::with_capacity(2);
+    // Each distinct stream once, in stream-id order, the order their locks are taken in, so
+    // that threads queueing on overlapping streams cannot deadlock (few uses: linear scans).
+    // Record streams are among them.
+    let mut streams: Few<&Stream, 4> = Few::Empty;
     for u in uses {
         if !streams.iter().any(|s| std::ptr::eq(*s, u.stream)) {
             streams.push(u.stream);
         }
     }
+    streams.as_mut_slice().sort_unstable_by_key(|s| s.id());
     let index = |s: &Stream| streams.iter().position(|t| std::ptr::eq(*t, s)).expect("listed");
-    // Held in stream-id order, so that threads queueing on overlapping streams cannot deadlock.
-    let mut by_id: Vec<usize> = (0..streams.len()).collect();
-    by_id.sort_by_key(|&i| streams[i].id());
-    let mut held: Vec<Option<Held<'_, StreamState>>> = (0..streams.len()).map(|_| None).collect();
-    for i in by_id {
-        held[i] = Some(streams[i].order().hold());
+    let mut held: Slots<Held<'_, StreamState>, 4> = Slots::default();
+    for s in streams.iter() {
+        held.push(s.order().hold());
     }
-    let capturing = held.iter().any(|h| h.as_ref().is_some_and(|h| h.is_some()));
+    let capturing = held.iter().any(|h| h.is_some());
     if capturing && streams.len() > 1 {
         return Err(capture_error(SPANNING));
     }
     if !capturing {
-        for s in &streams {
+        for s in streams.iter() {
             s.check_not_captured_elsewhere()?;
         }
     }
-    // Each distinct tracker once, locked in key order.
-    let mut trackers: Vec<&Tracked> = Vec::with_capacity(uses.len());
+    // Each distinct tracker once, locked in key order (a graph's are sorted already).
+    let mut trackers: Few<&Tracked, 8> = Few::Empty;
     for u in uses {
         if !trackers.iter().any(|t| Tracked::same(t, u.tracked)) {
             trackers.push(u.tracked);
         }
     }
-    trackers.sort_by_key(|t| t.key());
-    let mut locked: Vec<MutexGuard<'_, UseTracker<Arc<PooledEvent>>>> =
-        trackers.iter().map(|t| t.lock()).collect();
+    if !trackers.is_sorted_by_key(|t| t.key()) {
+        trackers.as_mut_slice().sort_unstable_by_key(|t| t.key());
+    }
+    let mut locked: Slots<MutexGuard<'_, UseTracker<Arc<PooledEvent>>>, 8> = Slots::default();
+    for t in trackers.iter() {
+        locked.push(t.lock());
+    }
     let slot = |t: &Tracked| trackers.iter().position(|u| Tracked::same(u, t)).expect("listed");
+    let tracker = |t: &Tracked| locked.get(slot(t)).expect("locked");
     if locked.iter().any(|t| t.is_retired()) {
         return Err(Error::InvalidArgument(
             "a buffer this graph uses has been dropped: the graph cannot run again (capture a \
@@ -297,54 +430,88 @@ pub(crate) fn enqueue<R>(
         ));
     }
     if capturing {
-        let state = held[0].as_mut().and_then(|h| h.as_mut()).expect("capturing");
+        let state = held.get_mut(0).and_then(|h| h.as_mut()).expect("capturing");
         return capture(uses, work, state, submit);
     }
     // Per record stream, what its uses' streams ran (and are made to wait for) before.
-    let mut before: Vec<Before> = if nccl {
-        vec![Vec::new(); streams.len()]
-    } else {
-        Vec::new()
-    };
+    let mut before: Slots<Before, 4> = Slots::default();
     if nccl {
-        for u in uses {
-            before[index(u.record)].extend(u.stream.last_recorded());
+        for _ in streams.iter() {
+            before.push(Before::default());
         }
+        for u in uses {
+            let b = before.get_mut(index(u.record)).expect("one per stream");
+            b.extend(u.stream.last_recorded());
+        }
+    }
+    // Waits and event records take their device from the stream, whatever the current device
+    // (CUDA's "Stream and Event Behavior"); NCCL makes its communicator's device current
+    // itself, and restores the caller's (`ncclEnqueueCheck`, enqueue.cc 2618-2631 of NCCL
+    // 2.28.3; `ncclGroupEndInternal` and `groupLaunch`, group.cc 598 and 742-744). CUDA work
+    // (a kernel launch, a copy) runs on the current device's: its stream's device (CUDA work
+    // is queued on one stream) is made current just before it is submitted. A new tracking
+    // event is made on its device by the pool.
+    for u in uses {
+        let sink = before.get_mut(index(u.record));
+        u.stream.wait_for_conflicts(tracker(u.tracked), u.access, sink)?;
+    }
+    // The events to record after the work, taken before it is submitted: an event that cannot
+    // be made fails the operation before anything is queued.
+    let is_record = |s: &Stream| uses.iter().any(|u| std::ptr::eq(u.record, s));
+    let mut events: Slots<Option<Arc<PooledEvent>>, 4> = Slots::default();
+    for s in streams.iter() {
+        events.push(if is_record(s) {
+            Some(s.device().take_event()?)
+        } else {
+            None
+        });
     }
     let mut current = CurrentDevice::default();
-    for u in uses {
-        current.set(u.stream.device())?;
-        let sink = before.get_mut(index(u.record));
-        u.stream
-            .wait_for_conflicts(&locked[slot(u.tracked)], u.access, sink)?;
+    if let (false, Some(s)) = (nccl, streams.first()) {
+        current.set(s.device())?;
     }
     let out = submit(&mut current);
-    // In reverse, so that with one device per stream the thread, left on the last operation's
-    // device by the submission, switches devices once fewer.
     let mut failed = None;
-    for (i, s) in streams.iter().enumerate().rev() {
-        if !uses.iter().any(|u| std::ptr::eq(u.record, *s)) {
+    let no_before = Before::default();
+    for (i, s) in streams.iter().enumerate() {
+        let Some(event) = events.get_mut(i).and_then(Option::take) else {
             continue;
-        }
+        };
         let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, *s));
-        let stored = current.set(s.device()).and_then(|()| {
-            record_and_store(
-                held[i].as_ref().expect("held above"),
-                || s.record_event(),
-                |event| {
-                    for v in mine() {
-                        locked[slot(v.tracked)].record(v.stream.id(), v.access, event.clone());
-                        v.stream.note_recorded(event, nccl);
+        let stored = record_and_store(
+            held.get(i).expect("held above"),
+            || s.record_pooled(event),
+            |event| {
+                for v in mine() {
+                    let t = locked.get_mut(slot(v.tracked)).expect("locked");
+                    t.record(v.stream.id(), v.access, event.clone());
+                }
+                // Once per stream the event follows work of.
+                for t in streams.iter() {
+                    if mine().any(|v| std::ptr::eq(v.stream, *t)) {
+                        t.note_recorded(event, nccl);
                     }
-                },
-            )
-        });
+                }
+            },
+        );
         match stored {
-            Ok(event) => recorded(s, &event, before.get(i).unwrap_or(&Vec::new())),
+            Ok(event) => recorded(s, &event, before.get(i).unwrap_or(&no_before)),
             Err(e) => {
                 // The work is queued but untracked. Once it has completed it needs no tracking,
-                // and the trackers' older entries stay correct. If even waiting fails, the
-                // device is in CUDA's sticky error state, where no further work runs.
+                // and the trackers' older entries stay correct, so the host waits for it here,
+                // with the locks held. NCCL work could wait for a peer forever, and the
+                // watchdog never saw it: its communicators are aborted first, which ends their
+                // kernels, so the wait is bounded. If even waiting fails, the device is in
+                // CUDA's sticky error state, where no further work runs.
+                if let Work::Nccl { comms } = work {
+                    let reason = format!(
+                        "the event tracking an NCCL operation could not be recorded after it ({e}): \
+                         the operation cannot be watched, so its communicator was aborted"
+                    );
+                    for &key in comms {
+                        crate::nccl::Communicator::abort_by_key(key, &reason);
+                    }
+                }
                 for v in mine() {
                     let _ = v.stream.synchronize_raw();
                 }
@@ -374,7 +541,9 @@ fn capture<R>(
         state.uses.note(u.tracked.clone(), u.access, Tracked::same);
     }
     let mut current = CurrentDevice::default();
-    if let Some(u) = uses.first() {
+    if !matches!(work, Work::Nccl { .. })
+        && let Some(u) = uses.first()
+    {
         current.set(u.stream.device())?;
     }
     submit(&mut current)
@@ -397,6 +566,27 @@ mod tests {
             Err(Error::Capture { detail }) => detail,
             other => panic!("admitted, or another error: {other:?}"),
         }
+    }
+
+    #[test]
+    fn short_lists_keep_order_inline_and_beyond() {
+        for n in 0..12usize {
+            let few: Few<usize, 4> = (0..n).collect();
+            assert_eq!(few.as_slice(), (0..n).collect::<Vec<_>>(), "{n} items");
+            assert_eq!(matches!(few, Few::Heap(_)), n > 4);
+            let mut slots: Slots<String, 4> = (0..n).map(|i| i.to_string()).collect();
+            let all: Vec<&String> = slots.iter().collect();
+            assert_eq!(all.len(), n);
+            for i in 0..n {
+                assert_eq!(slots.get(i).map(String::as_str), Some(i.to_string().as_str()));
+                slots.get_mut(i).expect("pushed").push('!');
+            }
+            assert!(slots.get(n).is_none());
+            assert!(slots.iter().all(|s| s.ends_with('!')));
+        }
+        let mut few: Few<u32, 2> = [3, 1, 2].into_iter().collect();
+        few.as_mut_slice().sort_unstable();
+        assert_eq!(&*few, [1, 2, 3]);
     }
 
     #[test]

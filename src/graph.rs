@@ -59,7 +59,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::device::{Device, PooledEvent};
+use crate::device::{Device, Origin, PooledEvent};
 use crate::engine::{self, CaptureState, Keep, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::nccl::Communicator;
@@ -108,6 +108,10 @@ pub struct Graph {
     /// Events after this graph's replays not yet seen complete, oldest first (NCCL graphs):
     /// at most [`MAX_REPLAYS_IN_FLIGHT`].
     in_flight: RefCell<VecDeque<Arc<PooledEvent>>>,
+    /// For graphs with NCCL operations: what a replay's tracking event asks at a host read
+    /// whether the replay was cut short (a replay's output depends on every other rank), made
+    /// once for every replay.
+    origin: Option<Arc<dyn Origin>>,
 }
 
 /// Replays of one NCCL graph queued and not yet complete, at most. A rank that runs ahead of
@@ -237,8 +241,12 @@ impl Graph {
             if let Some(c) = comm.as_mut() {
                 c.give_to_graph()?;
             }
-            // SAFETY: the stream is live, and not being captured (checked above, under the
-            // stream's order, which every tracked operation on it takes).
+            // SAFETY: the stream is live and not being captured: not by handoff (its capture
+            // state, checked above under the stream's order, which every tracked operation on it
+            // takes), not by anyone else (asked of CUDA above for a wrapped stream; for
+            // handoff's own, `Stream::as_raw`'s contract). This is the capture through `Graph`
+            // that the function's contract leaves to handoff: the capture state set below, under
+            // the same lock, sends every tracked operation on the stream to the capture branch.
             unsafe { cu::stream_begin_capture(stream.as_raw()) }?;
             *state = Some(CaptureState {
                 comm: comm.as_ref().map(Communicator::key),
@@ -265,16 +273,23 @@ impl Graph {
         // SAFETY: live, owned here, not used again.
         let _ = unsafe { cu::graph_destroy(graph) };
         let exec = Exec(exec?);
+        // In the engine's lock order (by key) once, so that a replay sorts nothing.
+        let mut uses = state.uses.uses().to_vec();
+        uses.sort_by_key(|(t, _)| t.key());
+        let origin = comm
+            .as_ref()
+            .map(|c| c.origin((0..c.world_size()).filter(|&r| r != c.rank()).collect()));
         // A graph without NCCL operations does not need the communicator; keep it anyway: it
         // was given to the graph, and its verification order has moved on with the capture.
         Ok(Graph {
             exec,
             device: stream.device().clone(),
             captured_on: stream.id(),
-            uses: state.uses.uses().to_vec(),
+            uses,
             _keep: state.keep,
             comm,
-            in_flight: RefCell::default(),
+            in_flight: RefCell::new(VecDeque::with_capacity(MAX_REPLAYS_IN_FLIGHT)),
+            origin,
         })
     }
 
@@ -289,17 +304,29 @@ impl Graph {
     /// [`Error::CommunicatorUnusable`] once the graph's communicator has been aborted; CUDA
     /// errors.
     pub fn launch(&self, stream: &Stream) -> Result<()> {
+        // The one device check of a replay: the buffers' devices were checked as their work was
+        // captured (the source of a peer copy is on another device than the stream), and the
+        // graph's stream was on the graph's device.
         stream.check_device(&self.device, "the graph")?;
         let exec = self.exec.0;
+        let uses: engine::Few<TrackedUse<'_>, 8> = self
+            .uses
+            .iter()
+            .map(|(t, a)| TrackedUse::on(stream, t, *a))
+            .collect();
         let Some(comm) = &self.comm else {
-            let uses: Vec<(&Tracked, Access)> = self.uses.iter().map(|(t, a)| (t, *a)).collect();
             let work = Work::Uncapturable {
                 what: "launching a graph",
             };
-            // SAFETY (in the closure): the executable graph is live (held by `self`) and of the
-            // stream's device; the engine made the stream wait for every conflicting use of the
-            // graph's buffers, none of which is freed (retired trackers are refused).
-            return stream.enqueue_work(&uses, work, |s| unsafe { cu::graph_launch(exec, s) });
+            // SAFETY: the executable graph is live (held by `self`) and of the stream's device;
+            // the engine made the stream wait for every conflicting use of the graph's buffers,
+            // none of which is freed (retired trackers are refused).
+            let launch = |s| unsafe { cu::graph_launch(exec, s) };
+            if uses.is_empty() {
+                // Still noted as the stream's latest work (see `Stream::enqueue_work`).
+                return stream.enqueue_work(&[], work, launch);
+            }
+            return engine::enqueue(&uses, work, |_| launch(stream.as_raw()), |_, _, _| {});
         };
         if stream.id() != self.captured_on {
             return Err(Error::InvalidArgument(
@@ -308,19 +335,15 @@ impl Graph {
                     .into(),
             ));
         }
-        let uses: Vec<TrackedUse<'_>> = self
-            .uses
-            .iter()
-            .map(|(t, a)| TrackedUse::on(stream, t, *a))
-            .collect();
-        engine::check_devices(&uses)?;
         self.bound_in_flight(comm)?;
         let key = [comm.key()];
         engine::enqueue(
             &uses,
             Work::Nccl { comms: &key },
-            |_| {
+            |current| {
                 comm.check_usable()?;
+                // A graph of kernels is launched as CUDA work is, on the current device.
+                current.set(stream.device())?;
                 // Not under the communicator's lock: a launch that blocks (a full queue) must
                 // leave the watchdog free to abort the communicator, which stops the GPU work
                 // it waits behind. A launch racing an abort is harmless: its NCCL kernels see
@@ -330,19 +353,30 @@ impl Graph {
                 unsafe { cu::graph_launch(exec, stream.as_raw()) }
             },
             |_, event, before| {
-                let peers = (0..comm.world_size()).filter(|&r| r != comm.rank()).collect();
-                comm.note_pending(event, before, peers);
+                let origin = self.origin.as_ref().expect("made with the communicator");
+                comm.note_pending_from(event, before, origin);
                 self.in_flight.borrow_mut().push_back(event.clone());
             },
         )
     }
 
-    /// Forgets replays seen complete; with [`MAX_REPLAYS_IN_FLIGHT`] still queued, waits for
-    /// the oldest. The wait has no deadline of its own: the communicator's watchdog counts one
-    /// for that replay from when it could start, as for any NCCL work, and past it aborts the
+    /// With [`MAX_REPLAYS_IN_FLIGHT`] replays queued, forgets those seen complete, and waits for
+    /// the oldest if none is; below that, asks nothing. The replays run one after another on
+    /// the one stream the graph replays on, so the newest complete means all are: it is asked
+    /// first. The wait has no deadline of its own: the communicator's watchdog counts one for
+    /// that replay from when it could start, as for any NCCL work, and past it aborts the
     /// communicator, which ends the replay (and this wait, with the abort's error).
     fn bound_in_flight(&self, comm: &Communicator) -> Result<()> {
         let mut in_flight = self.in_flight.borrow_mut();
+        if in_flight.len() < MAX_REPLAYS_IN_FLIGHT {
+            return Ok(());
+        }
+        let newest = in_flight.back().expect("full");
+        // SAFETY: the event is kept alive by the Arc.
+        if unsafe { cu::event_query(newest.raw) }? {
+            in_flight.clear();
+            return Ok(());
+        }
         while let Some(oldest) = in_flight.front() {
             // SAFETY: the event is kept alive by the Arc.
             if !unsafe { cu::event_query(oldest.raw) }? {

@@ -10,6 +10,7 @@
 //!
 //! They are launched through the same [`Module`] and launch builder as users' own kernels.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytemuck::Pod;
@@ -29,6 +30,9 @@ struct Builtins {
     busy: Function,
     delayed_copy: Function,
     fill: Function,
+    /// Bit `d` set once every kernel is loaded on device `d` (ordinals below 64), so that a
+    /// launch then asks nothing more. Set only after the loads, read with `Acquire`.
+    loaded: AtomicU64,
 }
 
 static BUILTINS: OnceCell<Result<Builtins>> = OnceCell::new();
@@ -38,9 +42,14 @@ static BUILTINS: OnceCell<Result<Builtins>> = OnceCell::new();
 /// should happen between two launches whose ordering a caller relies on).
 fn builtins(stream: &Stream) -> Result<&'static Builtins> {
     let b = all_builtins()?;
+    let bit = 1u64.checked_shl(stream.device().ordinal() as u32).unwrap_or(0);
+    if b.loaded.load(Ordering::Acquire) & bit != 0 {
+        return Ok(b);
+    }
     for f in [&b.produce, &b.twice, &b.busy, &b.delayed_copy, &b.fill] {
         f.load_on(stream.device())?;
     }
+    b.loaded.fetch_or(bit, Ordering::Release);
     Ok(b)
 }
 
@@ -54,6 +63,7 @@ fn all_builtins() -> Result<&'static Builtins> {
                 busy: m.function("handoff_busy")?,
                 delayed_copy: m.function("handoff_delayed_copy")?,
                 fill: m.function("handoff_fill")?,
+                loaded: AtomicU64::new(0),
             })
         })
         .as_ref()

@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex};
 use bytemuck::Pod;
 
 use crate::buffer::DeviceBuffer;
-use crate::engine::Tracked;
+use crate::engine::{Few, Tracked};
 use crate::error::{Error, Result};
 use crate::result as cu;
 use crate::stream::Stream;
@@ -337,9 +337,12 @@ pub struct ByValue<T: Pod>(pub T);
 pub struct LaunchBuilder<'a> {
     stream: &'a Stream,
     function: &'a Function,
-    /// Each argument's bytes, in 8-byte words (so that each is aligned for its type).
-    values: Vec<Box<[u64]>>,
-    uses: Vec<(&'a Tracked, Access)>,
+    /// Every argument's bytes, each from an 8-byte word of its own (so that each is aligned
+    /// for its type), inline for the usual few arguments.
+    words: Few<u64, 16>,
+    /// Where each argument starts in `words`.
+    starts: Few<usize, 8>,
+    uses: Few<(&'a Tracked, Access), 8>,
     problem: Option<Error>,
 }
 
@@ -347,7 +350,7 @@ impl std::fmt::Debug for LaunchBuilder<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LaunchBuilder")
             .field("function", &self.function.name)
-            .field("args", &self.values.len())
+            .field("args", &self.starts.len())
             .finish()
     }
 }
@@ -369,8 +372,9 @@ impl<'a> LaunchBuilder<'a> {
         LaunchBuilder {
             stream,
             function,
-            values: Vec::new(),
-            uses: Vec::new(),
+            words: Few::Empty,
+            starts: Few::Empty,
+            uses: Few::Empty,
             problem: None,
         }
     }
@@ -396,9 +400,13 @@ impl<'a> LaunchBuilder<'a> {
             )));
         }
         let bytes = bytemuck::bytes_of(&v);
-        let mut words = vec![0u64; bytes.len().div_ceil(8).max(1)].into_boxed_slice();
-        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
-        self.values.push(words);
+        let start = self.words.len();
+        for _ in 0..bytes.len().div_ceil(8).max(1) {
+            self.words.push(0);
+        }
+        bytemuck::cast_slice_mut::<u64, u8>(&mut self.words.as_mut_slice()[start..])[..bytes.len()]
+            .copy_from_slice(bytes);
+        self.starts.push(start);
     }
 
     fn push_buffer(&mut self, ptr: u64, tracked: &'a Tracked, access: Access) {
@@ -434,7 +442,13 @@ impl<'a> LaunchBuilder<'a> {
         }
         let (max_threads, max_shared) = self.function.limits(self.stream)?;
         config.check(&self.function.name, max_threads, max_shared)?;
-        let mut args: Vec<*mut c_void> = self.values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+        // Every pointer from one base, so that none is invalidated by taking another.
+        let base = self.words.as_mut_slice().as_mut_ptr();
+        let mut args: Few<*mut c_void, 8> = self
+            .starts
+            .iter()
+            .map(|&i| base.wrapping_add(i).cast::<c_void>())
+            .collect();
         let kernel = self.function.kernel;
         // A graph that captures the launch keeps the kernel's module loaded.
         let module: crate::engine::Keep = self.function._module.clone();
@@ -449,7 +463,7 @@ impl<'a> LaunchBuilder<'a> {
                     config.grid,
                     config.block,
                     config.shared_mem_bytes,
-                    &mut args,
+                    args.as_mut_slice(),
                     s,
                 )
             }
@@ -703,7 +717,18 @@ mod tests {
             [Access::Read, Access::Read, Access::Write, Access::Write]
         );
         assert!(std::ptr::eq(builder.uses[0].0, &a) && std::ptr::eq(builder.uses[2].0, &b));
-        let words: Vec<Vec<u64>> = builder.values.iter().map(|v| v.to_vec()).collect();
+        let ends = builder
+            .starts
+            .iter()
+            .skip(1)
+            .copied()
+            .chain([builder.words.len()]);
+        let words: Vec<Vec<u64>> = builder
+            .starts
+            .iter()
+            .zip(ends)
+            .map(|(&a, b)| builder.words[a..b].to_vec())
+            .collect();
         assert_eq!(words.len(), 6);
         assert_eq!(words[0], [base as u64]);
         assert_eq!(words[2], [base as u64 + 16]);

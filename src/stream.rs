@@ -146,6 +146,13 @@ impl Stream {
 
     /// The raw handle, for calling CUDA or NCCL directly. Work queued through it is not
     /// tracked: the caller takes on the ordering that the safe API otherwise provides.
+    ///
+    /// The handle of a stream made by [`Stream::new`] must not be captured into a CUDA graph
+    /// except through [`crate::Graph`] (no `cudaStreamBeginCapture` on it, nor a capture that
+    /// reaches it through an event wait): handoff does not ask CUDA whether its own streams
+    /// are being captured, and tracked work queued there during such a capture would become
+    /// part of that graph, untracked. (A stream wrapped from cudarc, whose safe API can begin a
+    /// capture, is asked before every tracked operation.)
     pub fn as_raw(&self) -> cudaStream_t {
         self.raw
     }
@@ -208,12 +215,16 @@ impl Stream {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if the event belongs to another device; [`Error::Capture`]
-    /// while a graph is being captured here; CUDA errors.
+    /// while a graph is being captured here (by handoff, or through cudarc on a stream wrapped
+    /// from it); CUDA errors.
     pub fn record(&self, event: &Event) -> Result<()> {
         self.check_device(&event.device, "the event")?;
         self.outside_capture(
             "recording an Event (a graph's replays are tracked by handoff)",
             || {
+                // Recorded into someone else's capture, the event would be a node of their
+                // graph, and a stream waiting for it would be drawn into the capture.
+                self.check_not_captured_elsewhere()?;
                 // SAFETY: both handles are live and of the same device.
                 unsafe { cu::event_record(event.raw, self.raw) }
             },
@@ -268,8 +279,14 @@ impl Stream {
 
     /// [`Error::Capture`] when someone other than handoff is capturing this stream into a CUDA
     /// graph: tracking's events recorded there would be part of that graph, never complete as
-    /// events, and later waits on them would order nothing.
+    /// events, and later waits on them would order nothing. Asked of CUDA only for streams
+    /// wrapped from someone else (cudarc's, whose safe API can begin a capture): handoff's own
+    /// are captured only through [`crate::Graph`], as [`Stream::as_raw`] requires, which the
+    /// stream's capture state shows.
     pub(crate) fn check_not_captured_elsewhere(&self) -> Result<()> {
+        if self.owner.is_none() {
+            return Ok(());
+        }
         // SAFETY: the handle is live for as long as `self`.
         if unsafe { cu::stream_is_capturing(self.raw) }? {
             return Err(Error::Capture {
@@ -303,7 +320,7 @@ impl Stream {
         work: Work<'_>,
         op: impl FnOnce(cudaStream_t) -> Result<R>,
     ) -> Result<R> {
-        let uses: Vec<TrackedUse<'_>> = uses
+        let uses: engine::Few<TrackedUse<'_>, 8> = uses
             .iter()
             .map(|&(tracked, access)| TrackedUse::on(self, tracked, access))
             .collect();
@@ -350,7 +367,7 @@ impl Stream {
         &self,
         tracker: &UseTracker<Arc<PooledEvent>>,
         access: Access,
-        mut waited: Option<&mut Vec<Arc<PooledEvent>>>,
+        mut waited: Option<&mut engine::Before>,
     ) -> Result<()> {
         for e in tracker.waits(self.id, access) {
             // SAFETY: the stream is live; the event is kept alive by the tracker.
@@ -370,7 +387,12 @@ impl Stream {
 
     /// A pooled event recorded here now.
     pub(crate) fn record_event(&self) -> Result<Arc<PooledEvent>> {
-        let event = self.device.take_event()?;
+        self.record_pooled(self.device.take_event()?)
+    }
+
+    /// Records `event`, a pooled event of this stream's device referred to by no tracker yet,
+    /// here now.
+    pub(crate) fn record_pooled(&self, event: Arc<PooledEvent>) -> Result<Arc<PooledEvent>> {
         // SAFETY: both handles are live and of the same device.
         unsafe { cu::event_record(event.raw, self.raw)? };
         Ok(event)

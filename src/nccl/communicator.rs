@@ -66,9 +66,15 @@ pub struct Communicator {
     pub(crate) clique: Option<Arc<()>>,
     /// Given to a graph ([`crate::Graph::capture_with`]), which owns it from then on.
     pub(crate) in_graph: bool,
+    /// The origin of the last operation's tracking event, and the peers it received from: a
+    /// next operation with the same peers shares it (see [`Communicator::note_pending`]).
+    last_origin: std::cell::RefCell<Option<PeersOrigin>>,
     /// NCCL calls on one communicator must not run concurrently: not `Sync`.
     _not_sync: PhantomData<Cell<()>>,
 }
+
+/// The peers an operation received from, and its tracking event's origin.
+type PeersOrigin = (Vec<usize>, Arc<dyn Origin>);
 
 /// What the communicator shares with the watchdog, behind one lock that every NCCL call on the
 /// communicator holds, so that the watchdog's abort never runs concurrently with one.
@@ -79,6 +85,9 @@ pub(crate) struct Shared {
     /// Window registrations attempted on this rank, each exchanged with every rank
     /// ([`crate::nccl::register`]): the next one's number.
     pub(crate) windows: std::sync::atomic::AtomicU64,
+    /// Set when the watchdog's look at this communicator panicked: it can no longer be watched,
+    /// and the watchdog aborts it (with this reason) at its next chance.
+    pub(crate) unwatchable: std::sync::OnceLock<String>,
 }
 
 pub(crate) struct State {
@@ -87,9 +96,12 @@ pub(crate) struct State {
     pub(crate) rank: usize,
     /// Why the communicator is unusable, once it is.
     pub(crate) broken: Option<String>,
-    /// Work queued and not yet seen complete, oldest first: an event after each group on each
-    /// stream, and when it was queued. NCCL runs a communicator's operations in order.
+    /// Work queued and not yet seen complete, oldest first (in `seq` order): an event after each
+    /// group on each stream, and when it was queued. NCCL runs a communicator's operations in
+    /// order (see the watchdog), so an entry seen complete means every older one is.
     pub(crate) pending: VecDeque<Pending>,
+    /// The `seq` of the next entry of `pending`.
+    pub(crate) next_seq: u64,
     pub(crate) timeout: Duration,
     /// Every rank's mailbox (verified communicators): this rank's is marked broken with the
     /// communicator so that no peer waits for it, and carries the watchdog's heartbeat.
@@ -108,6 +120,9 @@ struct GraphAborter {
 }
 
 pub(crate) struct Pending {
+    /// Numbers the communicator's entries in the order they were queued, never reused: what the
+    /// watchdog names an entry by while it queries with the lock released.
+    pub(crate) seq: u64,
     /// Recorded after the group on one of its streams.
     pub(crate) event: Arc<PooledEvent>,
     /// What the stream ran before the group: it cannot start before these complete.
@@ -130,6 +145,33 @@ pub(crate) enum Cut {
 unsafe impl Send for State {}
 
 impl State {
+    /// The state of a live communicator `raw` of rank `rank`, with nothing queued.
+    pub(crate) fn new(raw: ncclComm_t, rank: usize, timeout: Duration) -> State {
+        State {
+            raw,
+            broken: None,
+            pending: VecDeque::new(),
+            next_seq: 0,
+            timeout,
+            regions: None,
+            graph_aborter: None,
+            rank,
+        }
+    }
+
+    /// Notes work queued after everything pending: `event` recorded after it, `after` what
+    /// its stream ran before.
+    pub(crate) fn push_pending(&mut self, event: Arc<PooledEvent>, after: Before) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.pending.push_back(Pending {
+            seq,
+            event,
+            after,
+            started: None,
+        });
+    }
+
     /// Marks the communicator unusable and aborts it (`ncclCommAbort`), as NCCL requires after
     /// an error; tells the peers through the mailbox. The caller holds the lock, so no other
     /// NCCL call on the communicator runs meanwhile.
@@ -269,18 +311,11 @@ impl Communicator {
         options: CommOptions,
     ) -> Communicator {
         let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                raw,
-                broken: None,
-                pending: VecDeque::new(),
-                timeout: options.timeout(),
-                regions: None,
-                graph_aborter: None,
-                rank,
-            }),
+            state: Mutex::new(State::new(raw, rank, options.timeout())),
             rank,
             ordinal: device.ordinal() as i32,
             windows: std::sync::atomic::AtomicU64::new(0),
+            unwatchable: std::sync::OnceLock::new(),
         });
         Communicator {
             shared,
@@ -291,6 +326,7 @@ impl Communicator {
             boxes: None,
             clique: None,
             in_graph: false,
+            last_origin: std::cell::RefCell::new(None),
             _not_sync: PhantomData,
         }
     }
@@ -505,7 +541,7 @@ impl Communicator {
                 }
                 r
             },
-            |_, event, before| self.note_pending(event, before, Vec::new()),
+            |_, event, before| self.note_pending(event, before, &[]),
         )?;
         self.wait_stream(&stream)?;
         all.to_vec(&stream)
@@ -783,6 +819,14 @@ impl Communicator {
         Arc::as_ptr(&self.shared) as usize
     }
 
+    /// Aborts the communicator whose [`Communicator::key`] is `key`, if it is still alive, for
+    /// `reason` (for the engine, which knows an operation's communicators by key only).
+    pub(crate) fn abort_by_key(key: usize, reason: &str) {
+        if let Some(shared) = watchdog::watched(key) {
+            shared.break_with(reason.to_string(), Cut::All);
+        }
+    }
+
     /// Marks the communicator unusable because of `e` and aborts it.
     pub(crate) fn break_with(&self, e: &Error) {
         self.shared.break_with(e.to_string(), Cut::Incomplete);
@@ -791,22 +835,46 @@ impl Communicator {
     /// Remembers `event`, recorded after this communicator's latest work on some stream, which
     /// ran `before` first and received from `peers`, for [`Communicator::synchronize`], the
     /// watchdog and host reads.
-    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: &Before, peers: Vec<usize>) {
-        event.set_origin(Arc::new(OpOrigin {
+    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: &Before, peers: &[usize]) {
+        // The same peers as the last time (an application's steady state): the same origin.
+        let mut last = self.last_origin.borrow_mut();
+        let origin = match last.as_ref() {
+            Some((p, o)) if p.as_slice() == peers => o.clone(),
+            _ => {
+                let o = self.origin(peers.to_vec());
+                *last = Some((peers.to_vec(), o.clone()));
+                o
+            }
+        };
+        drop(last);
+        self.note_pending_from(event, before, &origin);
+    }
+
+    /// What a tracking event after work of this communicator receiving from `peers` asks, at a
+    /// host read, whether that work was cut short: made once and shared by every such event
+    /// (a graph's replays).
+    pub(crate) fn origin(&self, peers: Vec<usize>) -> Arc<dyn Origin> {
+        Arc::new(OpOrigin {
             shared: Arc::downgrade(&self.shared),
             peers,
-        }));
+        })
+    }
+
+    /// [`Communicator::note_pending`] with the event's origin made already.
+    pub(crate) fn note_pending_from(
+        &self,
+        event: &Arc<PooledEvent>,
+        before: &Before,
+        origin: &Arc<dyn Origin>,
+    ) {
+        event.set_origin(origin.clone());
         let mut state = self.shared.lock();
         if let Some(reason) = &state.broken {
             // Broken between posting and now: the work may have been cut short.
             event.poison(reason);
             return;
         }
-        state.pending.push_back(Pending {
-            event: event.clone(),
-            after: before.clone(),
-            started: None,
-        });
+        state.push_pending(event.clone(), before.clone());
     }
 }
 
@@ -829,6 +897,12 @@ pub(super) fn form_clique(members: Vec<&mut Communicator>) {
 }
 
 pub(crate) fn usable(state: &State) -> Result<ncclComm_t> {
+    if let Some(reason) = watchdog::dead() {
+        // Without the watchdog, nothing would bound a wait behind this communicator's work.
+        return Err(Error::CommunicatorUnusable {
+            reason: reason.to_string(),
+        });
+    }
     match &state.broken {
         Some(reason) => Err(Error::CommunicatorUnusable {
             reason: reason.clone(),

@@ -357,15 +357,13 @@ impl<'a> Group<'a> {
     fn check_local_collectives(&self) -> Result<()> {
         for c in self.comms() {
             let Some(clique) = c.clique.as_ref() else { continue };
-            let seq = |of: &Communicator| -> Vec<CollDesc> {
+            let seq = |of: Option<&'a Communicator>| {
                 self.colls
                     .iter()
-                    .filter(|o| std::ptr::eq(o.comm, of))
+                    .filter(move |o| of.is_some_and(|of| std::ptr::eq(o.comm, of)))
                     .map(|o| o.desc)
-                    .collect()
             };
-            let mine = seq(c);
-            if mine.is_empty() {
+            if seq(Some(c)).next().is_none() {
                 continue;
             }
             for r in 0..c.world_size() {
@@ -375,15 +373,20 @@ impl<'a> Group<'a> {
                             .as_ref()
                             .is_some_and(|k| std::sync::Arc::ptr_eq(k, clique))
                 });
-                let theirs = other.map(seq).unwrap_or_default();
-                if theirs != mine {
+                if !seq(other).eq(seq(Some(c))) {
+                    let list = |of| {
+                        seq(of)
+                            .map(|d: CollDesc| d.describe())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    };
                     return Err(Error::InvalidArgument(format!(
                         "rank {}'s collectives [{}] and rank {r}'s [{}] in this group differ: ranks \
                          made together by Communicator::init_all are driven by one thread, so \
                          every one of them posts the same collectives in one group",
                         c.rank(),
-                        mine.iter().map(|d| d.describe()).collect::<Vec<_>>().join(", "),
-                        theirs.iter().map(|d| d.describe()).collect::<Vec<_>>().join(", ")
+                        list(Some(c)),
+                        list(other)
                     )));
                 }
             }
@@ -567,7 +570,7 @@ impl<'a> Group<'a> {
                     .iter()
                     .filter(|c| std::ptr::eq(self.first_stream(c), stream))
                 {
-                    let mut peers: Vec<usize> = self
+                    let mut peers: SmallVec<[usize; 8]> = self
                         .ops
                         .iter()
                         .filter(|o| std::ptr::eq(o.comm, *c) && o.access == Access::Write)
@@ -577,7 +580,7 @@ impl<'a> Group<'a> {
                     if self.colls.iter().any(|o| std::ptr::eq(o.comm, *c)) {
                         peers.extend((0..c.world_size()).filter(|&r| r != c.rank()));
                     }
-                    c.note_pending(event, before, peers);
+                    c.note_pending(event, before, &peers);
                 }
             },
         );

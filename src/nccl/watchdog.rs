@@ -11,21 +11,49 @@
 //! operation is still held up that way, and a rank whose deadline passed waits on while a peer
 //! is demonstrably alive and busy, up to [`PATIENCE`] times the timeout.
 //!
-//! It takes a communicator's lock only with `try_lock`, and breaks a communicator only while
-//! holding it: NCCL calls on one communicator never run concurrently, and a communicator in use
-//! is looked at again at the next round. (A graph's communicator is then aborted by its own
-//! aborter thread, since NCCL's abort waits for the graph to be destroyed: see
-//! `State::break_with`.)
+//! # Off the enqueueing thread's path
+//! It never queries an event while holding a communicator's lock, which every NCCL call on the
+//! communicator (every group) takes: a look copies what it needs out (`Arc` clones of a few
+//! events, named by their entry's `seq`), queries with the lock released, and takes the lock
+//! again to apply what it found, by `seq`, so that entries queued meanwhile (newer `seq`s) are
+//! untouched, and an abort meanwhile (which empties the queue) leaves nothing to apply. It takes
+//! the lock only with `try_lock`, and breaks a communicator only while holding it: NCCL calls on
+//! one communicator never run concurrently, and a communicator in use is looked at again at the
+//! next round. (A graph's communicator is then aborted by its own aborter thread, since NCCL's
+//! abort waits for the graph to be destroyed: see `State::break_with`.)
+//!
+//! # Newest first
+//! NCCL runs one communicator's operations one after another: every group's kernel launch
+//! stream first waits for the communicator's `deviceStream` ("userStream[0] waits on
+//! deviceStream", `ncclLaunchPrepare` in NCCL 2.28.3's `src/enqueue.cc`, lines 1485-1486), and
+//! after the launch the `deviceStream` advances to an event recorded behind the kernel on that
+//! stream ("deviceStream waits on userStream[0]", `ncclLaunchFinish`, lines 1698-1708), and
+//! every other stream of the group waits for that event too (:1711-1713). A graph's
+//! communicator runs only its graph's replays, on one stream. Each entry's event is recorded
+//! right after its group on one of the group's streams, under that stream's order. So when
+//! the newest entry's event has completed, every older entry's operation has too, and one
+//! query drains the whole queue: about one query per look instead of one per operation. While
+//! the newest is incomplete, a few entries spread over the queue are queried, oldest first, and
+//! everything up to the newest one seen complete is dropped.
+//!
+//! # Its own failure
+//! A panic in a look at one communicator is caught: that communicator can no longer be watched,
+//! so it is aborted (its operations then fail with the panic's reason), and the others are
+//! watched on. Should the thread itself end, [`dead`] says why from then on, and every
+//! communicator's next call, and [`watch`], fail with it: no operation is queued without a
+//! bound.
 
-use std::sync::{Arc, Mutex, TryLockError, Weak};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use once_cell::sync::OnceCell;
 
+use crate::device::PooledEvent;
 use crate::error::{Error, Result};
-use crate::nccl::communicator::{Cut, Shared, State};
+use crate::nccl::communicator::{Cut, Pending, Shared, State};
 use crate::result::nccl as nc;
-use crate::sys::nccl::ncclResult_t;
+use crate::sys::nccl::{ncclComm_t, ncclResult_t};
 
 /// How often the watchdog looks. Timeouts are seconds; this bounds how late after one the abort
 /// comes.
@@ -43,19 +71,32 @@ static LOG: once_cell::sync::Lazy<bool> =
 
 static WATCHED: OnceCell<std::result::Result<Mutex<Vec<Weak<Shared>>>, String>> = OnceCell::new();
 
+/// Why the watchdog thread ended, once it has: it never ends otherwise.
+static DEAD: OnceLock<String> = OnceLock::new();
+
+/// Why the watchdog thread is gone, if it is (see the module documentation).
+pub(crate) fn dead() -> Option<&'static str> {
+    DEAD.get().map(String::as_str)
+}
+
 /// Starts watching a communicator (and, the first time, the watchdog thread).
 ///
 /// # Errors
-/// [`Error::Setup`] if the thread could not be started: without it, stream waits behind a
-/// stuck operation would have no bound, so no communicator is made.
+/// [`Error::Setup`] if the thread could not be started, or has ended: without it, stream waits
+/// behind a stuck operation would have no bound, so no communicator is made.
 pub(crate) fn watch(shared: &Arc<Shared>) -> Result<()> {
     let list = WATCHED.get_or_init(|| {
         std::thread::Builder::new()
             .name("handoff-watchdog".into())
-            .spawn(run)
+            .spawn(|| guarded(&DEAD, run))
             .map(|_| Mutex::new(Vec::new()))
             .map_err(|e| format!("could not start the communicator watchdog thread: {e}"))
     });
+    if let Some(reason) = dead() {
+        return Err(Error::Setup {
+            detail: reason.to_string(),
+        });
+    }
     match list {
         Ok(list) => {
             list.lock()
@@ -69,6 +110,36 @@ pub(crate) fn watch(shared: &Arc<Shared>) -> Result<()> {
     }
 }
 
+/// The watched communicator whose state is at `key` (`Communicator::key`), if it is alive.
+pub(crate) fn watched(key: usize) -> Option<Arc<Shared>> {
+    let Some(Ok(list)) = WATCHED.get() else {
+        return None;
+    };
+    let list = list.lock().unwrap_or_else(|p| p.into_inner());
+    list.iter()
+        .find(|w| w.as_ptr() as usize == key)
+        .and_then(Weak::upgrade)
+}
+
+/// Runs `body` (the watchdog's loop, which never returns) and records in `dead` why it ended.
+fn guarded(dead: &OnceLock<String>, body: impl FnOnce()) {
+    let how = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+        Ok(()) => "returned".to_string(),
+        Err(p) => format!("panicked ({})", panic_text(&*p)),
+    };
+    let _ = dead.set(format!(
+        "the communicator watchdog thread {how}: no NCCL operation can be bounded any more, so \
+         none is queued (a bug in handoff: please report it)"
+    ));
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> &str {
+    p.downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("no message")
+}
+
 fn run() {
     loop {
         std::thread::sleep(PERIOD);
@@ -80,9 +151,40 @@ fn run() {
             }
             _ => continue,
         };
-        for shared in live {
-            check(&shared);
+        round(&live, |shared| check(shared, &Cuda));
+    }
+}
+
+/// One look at each communicator; a look that panics makes its communicator unwatchable
+/// (aborted, now or at a later round if it is busy), and the others are still looked at.
+fn round(live: &[Arc<Shared>], look: impl Fn(&Shared)) {
+    for shared in live {
+        if shared.unwatchable.get().is_some() {
+            abort_unwatchable(shared);
+            continue;
         }
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| look(shared))) {
+            let _ = shared.unwatchable.set(format!(
+                "the watchdog's look at rank {}'s communicator panicked ({}): it can no longer \
+                 be watched, so it is aborted (a bug in handoff: please report it)",
+                shared.rank,
+                panic_text(&*p)
+            ));
+            // Aborted now if the lock is free (a panic under it leaves it poisoned, not held).
+            abort_unwatchable(shared);
+        }
+    }
+}
+
+/// Aborts a communicator whose look panicked, if its lock is free (else at a later round).
+fn abort_unwatchable(shared: &Shared) {
+    let Some(reason) = shared.unwatchable.get() else {
+        return;
+    };
+    if let Some(mut state) = try_state(shared)
+        && state.broken.is_none()
+    {
+        state.break_with(reason.clone(), shared.ordinal, Cut::All);
     }
 }
 
@@ -92,50 +194,143 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn complete(e: &crate::device::PooledEvent) -> bool {
-    // SAFETY: the event is kept alive by its Arc. An error (the device's sticky error state)
-    // counts as not complete: the deadline then decides.
-    (unsafe { crate::result::event_query(e.raw) }) == Ok(true)
+/// What a look asks of CUDA and NCCL; the tests stand in for them.
+pub(crate) trait Gpu {
+    /// Whether the work before `e` has completed. An error (the device's sticky error state)
+    /// counts as not complete: the deadline then decides.
+    fn complete(&self, e: &PooledEvent) -> bool;
+    /// NCCL's asynchronous error on `raw` (live, its communicator's lock held), if any.
+    fn comm_error(&self, raw: ncclComm_t) -> Option<String>;
 }
 
-/// One look at one communicator.
-fn check(shared: &Shared) {
-    let mut state = match shared.state.try_lock() {
-        Ok(s) => s,
-        Err(TryLockError::Poisoned(p)) => p.into_inner(),
-        Err(TryLockError::WouldBlock) => return,
-    };
-    if state.broken.is_some() || state.raw.is_null() {
-        return;
+/// The real ones.
+struct Cuda;
+
+impl Gpu for Cuda {
+    fn complete(&self, e: &PooledEvent) -> bool {
+        // SAFETY: the event is kept alive by the caller's Arc.
+        (unsafe { crate::result::event_query(e.raw) }) == Ok(true)
     }
+
+    fn comm_error(&self, raw: ncclComm_t) -> Option<String> {
+        // SAFETY: the caller's contract: `raw` is live and its lock held.
+        match unsafe { nc::comm_state(raw) } {
+            Ok(rc) if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress => None,
+            Ok(rc) => Some(nc::error("ncclCommGetAsyncError", rc).to_string()),
+            Err(e) => Some(e.to_string()),
+        }
+    }
+}
+
+/// The communicator's state if its lock is free (a poisoned lock is still usable: every update
+/// of the state is one step).
+fn try_state(shared: &Shared) -> Option<MutexGuard<'_, State>> {
+    match shared.state.try_lock() {
+        Ok(s) => Some(s),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
+}
+
+/// The state, if its lock is free and the communicator still live.
+fn live_state(shared: &Shared) -> Option<MutexGuard<'_, State>> {
+    try_state(shared).filter(|s| s.broken.is_none() && !s.raw.is_null())
+}
+
+/// How many entries of the queue a look copies out to query, at most: the newest, then some
+/// spread evenly from the oldest.
+const PROBES: usize = 8;
+
+/// Entries copied out of the queue to query unlocked, newest first then oldest first.
+type Probes = [Option<(u64, Arc<PooledEvent>)>; PROBES];
+
+fn probes(pending: &VecDeque<Pending>) -> Probes {
+    let mut out: Probes = Default::default();
+    let Some(last) = pending.len().checked_sub(1) else {
+        return out;
+    };
+    let mut taken = 0;
+    for i in std::iter::once(last).chain((0..PROBES - 1).map(|k| last * k / (PROBES - 1))) {
+        if taken > 0 && out[..taken].iter().flatten().any(|(s, _)| *s == pending[i].seq) {
+            continue;
+        }
+        out[taken] = Some((pending[i].seq, pending[i].event.clone()));
+        taken += 1;
+    }
+    out
+}
+
+/// The newest `seq` among `probes` whose event has completed: the newest first (one query when
+/// the queue is done), then from the oldest until one is not.
+fn newest_complete(probes: &Probes, gpu: &impl Gpu) -> Option<u64> {
+    let (newest, newest_event) = probes[0].as_ref()?;
+    if gpu.complete(newest_event) {
+        return Some(*newest);
+    }
+    let mut done = None;
+    for (seq, e) in probes[1..].iter().flatten() {
+        if !gpu.complete(e) {
+            break;
+        }
+        done = Some(*seq);
+    }
+    done
+}
+
+/// One look at one communicator (see the module documentation): NCCL's error, then what has
+/// completed, then the oldest operation's deadline. No event is queried with the lock held.
+fn check(shared: &Shared, gpu: &impl Gpu) {
+    let Some(mut state) = live_state(shared) else {
+        return;
+    };
     // NCCL's error first: kernels it ended early have completed events, which must not be
     // taken for work that completed.
-    // SAFETY: `raw` is live (not broken, lock held).
-    let rc = unsafe { nc::comm_state(state.raw) };
-    let failed = match rc {
-        Ok(rc) if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress => None,
-        Ok(rc) => Some(nc::error("ncclCommGetAsyncError", rc).to_string()),
-        Err(e) => Some(e.to_string()),
-    };
-    if let Some(e) = failed {
+    if let Some(e) = gpu.comm_error(state.raw) {
         let reason = format!("the watchdog found an NCCL error on rank {}: {e}", shared.rank);
         state.break_with(reason, shared.ordinal, Cut::All);
         return;
     }
-    while state.pending.front().is_some_and(|p| complete(&p.event)) {
-        state.pending.pop_front();
-    }
-    let now = Instant::now();
-    let mut held_up = false;
-    if let Some(front) = state.pending.front_mut()
-        && front.started.is_none()
-    {
-        if front.after.iter().all(|e| complete(e)) {
-            front.started = Some(now);
-        } else {
-            held_up = true;
+    let probes = probes(&state.pending);
+    if probes[0].is_some() {
+        drop(state);
+        let done = newest_complete(&probes, gpu);
+        let Some(again) = live_state(shared) else {
+            return;
+        };
+        state = again;
+        if let Some(done) = done {
+            // By `seq`: entries queued since the copy are newer and stay.
+            while state.pending.front().is_some_and(|p| p.seq <= done) {
+                state.pending.pop_front();
+            }
         }
     }
+    // The oldest operation's deadline counts from when what its stream ran before it completed.
+    let mut held_up = false;
+    if let Some(front) = state.pending.front()
+        && front.started.is_none()
+    {
+        let (seq, after) = (front.seq, front.after.clone());
+        drop(state);
+        let ready = after.iter().all(|e| gpu.complete(e));
+        let seen = Instant::now();
+        drop(after);
+        let Some(again) = live_state(shared) else {
+            return;
+        };
+        state = again;
+        if let Some(front) = state.pending.front_mut()
+            && front.seq == seq
+        {
+            if ready {
+                front.started.get_or_insert(seen);
+                front.after = Default::default();
+            } else {
+                held_up = true;
+            }
+        }
+    }
+    let now = Instant::now();
     let wall = now_ms();
     if let Some(mine) = state.mine() {
         mine.set_heartbeat(wall, held_up);
@@ -148,14 +343,14 @@ fn check(shared: &Shared) {
             shared.rank,
             shared.ordinal,
             state.pending.len(),
-            started.map(|t| now.duration_since(t)),
+            started.map(|t| now.saturating_duration_since(t)),
             peer_busy(&state, wall, Duration::ZERO)
         );
     }
     let Some(started) = started else {
         return;
     };
-    let waited = now.duration_since(started);
+    let waited = now.saturating_duration_since(started);
     if waited <= state.timeout || peer_busy(&state, wall, waited) {
         return;
     }
@@ -168,14 +363,233 @@ fn check(shared: &Shared) {
 }
 
 /// Whether some peer is alive and held up by its own GPU work, and the operation has waited
-/// less than [`PATIENCE`] timeouts.
+/// less than [`PATIENCE`] timeouts (all of them, for a timeout too long to multiply).
 fn peer_busy(state: &State, wall: u64, waited: Duration) -> bool {
     let Some(regions) = &state.regions else {
         return false;
     };
-    waited < state.timeout * PATIENCE
+    waited < state.timeout.saturating_mul(PATIENCE)
         && regions
             .iter()
             .enumerate()
             .any(|(r, region)| r != state.rank && region.busy_and_alive(wall, FRESH.as_millis() as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use crate::nccl::verify::mailbox::Region;
+    use std::cell::{Cell, RefCell};
+
+    /// A device never dropped: its drop would hand the fake events to CUDA.
+    fn device() -> &'static Device {
+        Box::leak(Box::new(Device::for_tests()))
+    }
+
+    /// A communicator's shared state over a made-up handle (`live`) or none, which no test lets
+    /// reach NCCL (no error, no missed deadline).
+    fn shared(live: bool) -> Shared {
+        let raw = if live {
+            std::ptr::NonNull::dangling().as_ptr()
+        } else {
+            std::ptr::null_mut()
+        };
+        Shared {
+            state: Mutex::new(State::new(raw, 0, Duration::from_secs(3600))),
+            rank: 0,
+            ordinal: 0,
+            windows: std::sync::atomic::AtomicU64::new(0),
+            unwatchable: OnceLock::new(),
+        }
+    }
+
+    /// What another thread does while the watchdog queries.
+    type During<'a> = Box<dyn FnOnce(&Shared) + 'a>;
+
+    /// Events are numbered by their handle; those up to `done` have completed. Every query
+    /// checks that the communicator's lock is free, and may run `during` (another thread's
+    /// enqueue or abort) as if it came while the lock was released.
+    struct Fake<'a> {
+        shared: &'a Shared,
+        done: Cell<usize>,
+        queries: Cell<usize>,
+        during: RefCell<Option<During<'a>>>,
+    }
+
+    impl<'a> Fake<'a> {
+        fn new(shared: &'a Shared, done: usize) -> Self {
+            Fake {
+                shared,
+                done: Cell::new(done),
+                queries: Cell::new(0),
+                during: RefCell::new(None),
+            }
+        }
+    }
+
+    impl Gpu for Fake<'_> {
+        fn complete(&self, e: &PooledEvent) -> bool {
+            assert!(
+                self.shared.state.try_lock().is_ok(),
+                "an event was queried with the communicator's lock held"
+            );
+            self.queries.set(self.queries.get() + 1);
+            if let Some(f) = self.during.borrow_mut().take() {
+                f(self.shared);
+            }
+            (e.raw as usize) <= self.done.get()
+        }
+
+        fn comm_error(&self, _: ncclComm_t) -> Option<String> {
+            None
+        }
+    }
+
+    /// Queues operations whose events are numbered `events`, each after nothing.
+    fn queue(shared: &Shared, events: impl IntoIterator<Item = usize>) {
+        let mut state = shared.lock();
+        for e in events {
+            state.push_pending(device().fake_event(e), Default::default());
+        }
+    }
+
+    fn seqs(shared: &Shared) -> Vec<u64> {
+        shared.lock().pending.iter().map(|p| p.seq).collect()
+    }
+
+    #[test]
+    fn one_query_of_the_newest_drains_a_completed_queue() {
+        let s = shared(true);
+        queue(&s, 1..=100);
+        let gpu = Fake::new(&s, 100);
+        check(&s, &gpu);
+        assert!(seqs(&s).is_empty());
+        assert_eq!(
+            gpu.queries.get(),
+            1,
+            "the newest alone says the whole queue is done"
+        );
+    }
+
+    #[test]
+    fn an_incomplete_newest_drops_what_the_probes_saw_complete() {
+        let s = shared(true);
+        queue(&s, 1..=15);
+        // Events 1..=8 complete: the probes (oldest first, every other entry here) see up to
+        // event 7 complete; event 9's probe is not, and stops the search.
+        let gpu = Fake::new(&s, 8);
+        check(&s, &gpu);
+        let left = seqs(&s);
+        assert_eq!(
+            left.first(),
+            Some(&7),
+            "entries up to the newest probe seen complete go"
+        );
+        assert_eq!(left.last(), Some(&14));
+        // The oldest left (event 8) then starts its deadline: it ran after nothing.
+        assert!(s.lock().pending.front().is_some_and(|p| p.started.is_some()));
+        assert!(gpu.queries.get() <= PROBES, "{} queries", gpu.queries.get());
+        // Everything done: one query drains the rest.
+        gpu.done.set(15);
+        gpu.queries.set(0);
+        check(&s, &gpu);
+        assert!(seqs(&s).is_empty());
+        assert_eq!(gpu.queries.get(), 1);
+    }
+
+    #[test]
+    fn work_queued_while_the_watchdog_queries_stays_queued() {
+        let s = shared(true);
+        queue(&s, 1..=3);
+        let gpu = Fake::new(&s, 3);
+        // Another thread enqueues (event 9, not complete) while the newest is queried.
+        *gpu.during.borrow_mut() = Some(Box::new(|s: &Shared| queue(s, [9])));
+        check(&s, &gpu);
+        assert_eq!(
+            seqs(&s),
+            [3],
+            "the entry queued meanwhile is newer than what was seen"
+        );
+    }
+
+    #[test]
+    fn an_abort_while_the_watchdog_queries_leaves_nothing_to_apply() {
+        let s = shared(true);
+        queue(&s, 1..=3);
+        let gpu = Fake::new(&s, 3);
+        // As `State::break_with` leaves the state (the abort itself is NCCL's).
+        *gpu.during.borrow_mut() = Some(Box::new(|s: &Shared| {
+            let mut state = s.lock();
+            state.pending.clear();
+            state.broken = Some("aborted meanwhile".into());
+            state.raw = std::ptr::null_mut();
+        }));
+        check(&s, &gpu);
+        assert!(seqs(&s).is_empty());
+        assert_eq!(gpu.queries.get(), 1, "nothing is looked at after the abort");
+    }
+
+    #[test]
+    fn the_deadline_starts_once_what_the_stream_ran_before_has_completed() {
+        let s = shared(true);
+        let d = device();
+        s.lock()
+            .push_pending(d.fake_event(10), [d.fake_event(5)].into_iter().collect());
+        let gpu = Fake::new(&s, 4);
+        check(&s, &gpu);
+        let started = |s: &Shared| s.lock().pending.front().and_then(|p| p.started);
+        assert!(started(&s).is_none(), "held up by event 5");
+        gpu.done.set(5);
+        check(&s, &gpu);
+        assert!(started(&s).is_some());
+        assert_eq!(s.lock().pending[0].after.iter().count(), 0, "no longer needed");
+    }
+
+    #[test]
+    fn a_timeout_too_long_to_multiply_does_not_panic() {
+        let s = shared(true);
+        let mut state = s.lock();
+        state.timeout = Duration::MAX;
+        state.regions = Some((0..2).map(|r| Arc::new(Region::in_process(2, r))).collect());
+        state.regions.as_ref().expect("set")[1].set_heartbeat(now_ms(), true);
+        assert!(peer_busy(&state, now_ms(), Duration::ZERO));
+        assert!(peer_busy(&state, now_ms(), Duration::from_secs(u64::MAX / 2)));
+    }
+
+    #[test]
+    fn a_panicking_look_aborts_its_communicator_and_the_others_are_still_watched() {
+        let (a, b) = (Arc::new(shared(false)), Arc::new(shared(false)));
+        queue(&a, [1]);
+        let looked = RefCell::new(Vec::new());
+        round(&[a.clone(), b.clone()], |s| {
+            looked.borrow_mut().push(s as *const Shared);
+            if std::ptr::eq(s, &*a) {
+                let _held = s.lock();
+                panic!("a bug in a look");
+            }
+        });
+        assert_eq!(looked.borrow().len(), 2, "the second communicator was looked at");
+        let reason = a
+            .lock()
+            .broken
+            .clone()
+            .expect("the unwatchable communicator is aborted");
+        assert!(reason.contains("panicked (a bug in a look)"), "{reason}");
+        assert!(a.lock().pending.is_empty());
+        assert!(b.lock().broken.is_none());
+        // From then on it is not looked at again.
+        round(std::slice::from_ref(&a), |_| panic!("looked at again"));
+    }
+
+    #[test]
+    fn the_thread_ending_is_recorded() {
+        let dead = OnceLock::new();
+        guarded(&dead, || panic!("boom"));
+        let reason = dead.get().expect("recorded");
+        assert!(reason.contains("panicked (boom)"), "{reason}");
+        let dead = OnceLock::new();
+        guarded(&dead, || {});
+        assert!(dead.get().expect("recorded").contains("returned"));
+    }
 }

@@ -191,10 +191,13 @@ pub unsafe fn stream_wait_event(s: cudaStream_t, e: cudaEvent_t) -> Result<()> {
 /// into a graph instead of running, until [`stream_end_capture`].
 ///
 /// # Safety
-/// `s` is a live, non-default stream handle not being captured. Until the capture ends, no
-/// handoff-tracked work is queued on `s` from another thread: handoff refuses tracked work on a
-/// stream captured outside it ([`crate::Error::Capture`]) by a check made before queueing,
-/// which a capture begun concurrently can slip past.
+/// `s` is a live, non-default stream handle not being captured, and not the handle of a
+/// [`crate::Stream`] made by `Stream::new` (capture those with [`crate::Graph`]: handoff does
+/// not ask CUDA whether its own streams are captured, see [`crate::Stream::as_raw`]). For a
+/// stream wrapped from cudarc: until the capture ends, no handoff-tracked work is queued on `s`
+/// from another thread: handoff refuses tracked work on such a stream captured outside it
+/// ([`crate::Error::Capture`]) by a check made before queueing, which a capture begun
+/// concurrently can slip past.
 pub unsafe fn stream_begin_capture(s: cudaStream_t) -> Result<()> {
     // SAFETY: the caller vouches for the handle.
     check("cudaStreamBeginCapture", unsafe {

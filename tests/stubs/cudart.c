@@ -4,6 +4,7 @@
  * cudaStreamIsCapturing and graph capture behave as CUDA's do for one thread. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #include "count.h"
 
 typedef int err_t;
@@ -13,14 +14,21 @@ enum { OK = 0, ERR_INVALID_VALUE = 1, ERR_INVALID_DEVICE = 101, ERR_NOT_READY = 
 struct stream { int capturing; };
 typedef struct { unsigned x, y, z; } dim3;
 
-static int devices = 1;
+static _Atomic int devices = 1;
 static __thread int current;
 static _Atomic int query_rc = OK;
+static _Atomic int records_to_fail;
+static _Atomic int syncs_blocked;
 
 STUB_COUNT_FN(cudart)
 void cudart_stub_set_devices(int n) { devices = n; }
 /* What cudaEventQuery returns from now on (600: not ready). */
 void cudart_stub_set_event_query(int rc) { atomic_store(&query_rc, rc); }
+/* The next `n` cudaEventRecord calls fail (cudaErrorMemoryAllocation). */
+void cudart_stub_fail_event_records(int n) { atomic_store(&records_to_fail, n); }
+/* While `on`, cudaStreamSynchronize waits, as for work that does not end (the stub NCCL's
+ * ncclCommAbort ends it: it clears this). */
+void cudart_stub_block_syncs(int on) { atomic_store(&syncs_blocked, on); }
 
 err_t cudaGetDeviceCount(int *n) { COUNT(); *n = devices; return OK; }
 err_t cudaGetDevice(int *d) { COUNT(); *d = current; return OK; }
@@ -47,7 +55,15 @@ err_t cudaStreamCreateWithFlags(struct stream **s, unsigned flags) {
     return *s ? OK : ERR_INVALID_VALUE;
 }
 err_t cudaStreamDestroy(struct stream *s) { COUNT(); free(s); return OK; }
-err_t cudaStreamSynchronize(struct stream *s) { COUNT(); return s && s->capturing ? ERR_CAPTURE_INVALIDATED : OK; }
+err_t cudaStreamSynchronize(struct stream *s) {
+    COUNT();
+    if (s && s->capturing) return ERR_CAPTURE_INVALIDATED;
+    while (atomic_load(&syncs_blocked)) {
+        struct timespec t = {0, 1000000};
+        nanosleep(&t, NULL);
+    }
+    return OK;
+}
 err_t cudaStreamQuery(struct stream *s) { COUNT(); (void)s; return OK; }
 err_t cudaStreamWaitEvent(struct stream *s, void *e, unsigned flags) { COUNT(); (void)s; (void)e; (void)flags; return OK; }
 err_t cudaStreamBeginCapture(struct stream *s, int mode) {
@@ -67,7 +83,12 @@ err_t cudaStreamIsCapturing(struct stream *s, int *status) { COUNT(); *status = 
 
 err_t cudaEventCreateWithFlags(void **e, unsigned flags) { COUNT(); (void)flags; *e = malloc(8); return OK; }
 err_t cudaEventDestroy(void *e) { COUNT(); free(e); return OK; }
-err_t cudaEventRecord(void *e, struct stream *s) { COUNT(); (void)e; (void)s; return OK; }
+err_t cudaEventRecord(void *e, struct stream *s) {
+    COUNT(); (void)e; (void)s;
+    int n = atomic_load(&records_to_fail);
+    while (n > 0 && !atomic_compare_exchange_weak(&records_to_fail, &n, n - 1)) {}
+    return n > 0 ? 2 : OK;
+}
 err_t cudaEventQuery(void *e) { COUNT(); (void)e; return atomic_load(&query_rc); }
 err_t cudaEventSynchronize(void *e) { COUNT(); (void)e; return OK; }
 err_t cudaEventElapsedTime(float *ms, void *a, void *b) { COUNT(); (void)a; (void)b; *ms = 0; return OK; }

@@ -1,6 +1,7 @@
 /* A stub libnccl.so.2 for tests/hotpath.rs: every function the crate binds, each returning
  * ncclSuccess at once and counting its calls (count.h). Moves no data. */
 #include <stdio.h>
+#include <dlfcn.h>
 #include <stdlib.h>
 #include "count.h"
 
@@ -8,7 +9,11 @@ typedef int res_t;
 typedef struct { char internal[128]; } unique_id;
 struct comm { int nranks, rank; };
 
+static _Atomic int async_error;
+
 STUB_COUNT_FN(nccl)
+/* What ncclCommGetAsyncError reports from now on, for every communicator. */
+void nccl_stub_set_async_error(int rc) { atomic_store(&async_error, rc); }
 
 res_t ncclGetVersion(int *v) { COUNT(); *v = 22803; return 0; }
 res_t ncclGetUniqueId(unique_id *id) { COUNT(); memset(id, 0, sizeof *id); return 0; }
@@ -34,8 +39,18 @@ res_t ncclCommSplit(struct comm *c, int color, int key, struct comm **out, void 
 }
 res_t ncclCommFinalize(struct comm *c) { COUNT(); (void)c; return 0; }
 res_t ncclCommDestroy(struct comm *c) { COUNT(); free(c); return 0; }
-res_t ncclCommAbort(struct comm *c) { COUNT(); free(c); return 0; }
-res_t ncclCommGetAsyncError(struct comm *c, res_t *e) { COUNT(); (void)c; *e = 0; return 0; }
+/* An abort ends the communicator's kernels: the stub runtime's blocked waits end. */
+res_t ncclCommAbort(struct comm *c) {
+    COUNT();
+    free(c);
+    const char *rt = getenv("HANDOFF_CUDART_PATH");
+    void *h = rt ? dlopen(rt, RTLD_NOW | RTLD_NOLOAD) : NULL;
+    void (*unblock)(int) = h ? (void (*)(int))dlsym(h, "cudart_stub_block_syncs") : NULL;
+    if (unblock) unblock(0);
+    if (h) dlclose(h);
+    return 0;
+}
+res_t ncclCommGetAsyncError(struct comm *c, res_t *e) { COUNT(); (void)c; *e = atomic_load(&async_error); return 0; }
 res_t ncclCommCount(struct comm *c, int *n) { COUNT(); *n = c->nranks; return 0; }
 res_t ncclCommCuDevice(struct comm *c, int *d) { COUNT(); (void)c; *d = 0; return 0; }
 res_t ncclCommUserRank(struct comm *c, int *r) { COUNT(); *r = c->rank; return 0; }
