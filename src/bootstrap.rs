@@ -453,6 +453,31 @@ mod tests {
     }
 
     #[test]
+    fn each_variable_is_read_once_and_a_fickle_lookup_cannot_panic() {
+        use std::cell::RefCell;
+        let reads = RefCell::new(HashMap::<String, usize>::new());
+        // Answers a variable only the first time it is asked for it.
+        let fickle = |k: &str| {
+            let mut r = reads.borrow_mut();
+            let n = r.entry(k.to_string()).or_default();
+            *n += 1;
+            let first = *n == 1;
+            let v = match k {
+                "RANK" => "1",
+                "WORLD_SIZE" => "2",
+                "MASTER_ADDR" => "::1",
+                "MASTER_PORT" => "29500",
+                _ => return None,
+            };
+            first.then(|| v.to_string())
+        };
+        let l = Launch::from_vars(fickle).unwrap().unwrap();
+        assert_eq!((l.rank, l.world_size, l.master.as_str()), (1, 2, "[::1]:29500"));
+        assert!(l.master.parse::<SocketAddr>().is_ok());
+        assert!(reads.borrow().values().all(|&n| n == 1), "{:?}", reads.borrow());
+    }
+
+    #[test]
     fn bad_launcher_variables_are_named() {
         let e = Launch::from_vars(vars(&[("RANK", "x"), ("WORLD_SIZE", "2")]))
             .unwrap_err()
@@ -479,5 +504,18 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("MASTER_PORT"), "{e}");
+        let e = Launch::from_vars(vars(&[("RANK", "0"), ("WORLD_SIZE", "4294967296")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at most 2147483647 ranks"), "{e}");
+        let e = Launch::from_vars(vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", " "),
+            ("MASTER_PORT", "1"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("MASTER_ADDR is empty"), "{e}");
     }
 }

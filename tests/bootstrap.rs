@@ -70,6 +70,10 @@ fn main() {
             nothing_on_the_wire,
         ),
         Trial::test(
+            "a_server_without_the_secret_cannot_hand_a_rank_an_id",
+            server_without_the_secret,
+        ),
+        Trial::test(
             "trickling_or_silent_server_cannot_hold_a_rank_past_its_timeout",
             trickling_server,
         ),
@@ -504,7 +508,7 @@ fn trickler_and_server_deadline() -> Result<(), Failed> {
     check(
         matches!(e, Error::BootstrapTimeout { .. })
             && msg.contains("no rank fetched the unique id")
-            && msg.contains("cut off at their deadline")
+            && msg.contains("cut off unfinished at their deadline")
             && msg.contains("not the handoff bootstrap protocol"),
         || msg.clone(),
     )?;
@@ -756,6 +760,55 @@ fn nothing_on_the_wire() -> Result<(), Failed> {
         check(!contains(&wire, &SECRET.as_bytes()[..8]), || {
             "the secret crossed the wire".into()
         })?;
+    }
+    Ok(())
+}
+
+/// A server that answers every connection with `reply` (after reading the client's bytes).
+fn fake_server(reply: Vec<u8>) -> Result<String, Failed> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?.to_string();
+    std::thread::spawn(move || {
+        for c in listener.incoming() {
+            let Ok(mut c) = c else { continue };
+            let _ = c.set_read_timeout(Some(Duration::from_millis(200)));
+            let _ = c.read(&mut [0u8; 256]);
+            let _ = c.write_all(&reply);
+            let _ = c.read(&mut [0u8; 256]);
+        }
+    });
+    Ok(addr)
+}
+
+fn server_without_the_secret() -> Result<(), Failed> {
+    // A challenge with a made-up proof, then an "id"; and an id sent in the clear.
+    let mut challenge = header();
+    challenge.push(2);
+    challenge.extend_from_slice(&[0x33; 64]);
+    challenge.push(0);
+    challenge.extend_from_slice(&[0x44; 160]);
+    let mut plain = header();
+    plain.push(0);
+    plain.extend_from_slice(test_id().as_bytes());
+    for (what, reply, says) in [
+        (
+            "made-up proof",
+            challenge,
+            "did not prove it holds this rank's secret",
+        ),
+        (
+            "id in the clear",
+            plain,
+            "without proving it holds this rank's shared secret",
+        ),
+    ] {
+        let addr = fake_server(reply)?;
+        let r = fetch_unique_id(&addr, 1, &opts(2000).with_secret(secret()));
+        println!("{what}: {r:?}");
+        match r {
+            Err(Error::BootstrapAuth { detail, .. }) if detail.contains(says) => {}
+            other => return Err(format!("{what}: {other:?}").into()),
+        }
     }
     Ok(())
 }
@@ -1064,6 +1117,11 @@ fn property_launcher_variables() -> Result<(), Failed> {
                 ok.set(ok.get() + 1);
                 prop_assert!(l.rank < l.world_size && l.world_size <= i32::MAX as usize);
                 prop_assert!(l.world_size == 1 || !l.master.is_empty());
+                // An address given as an IP literal makes an address one can connect to.
+                let ip = lookup("MASTER_ADDR").and_then(|a| a.trim().parse::<std::net::IpAddr>().ok());
+                if ip.is_some() && lookup("MASTER_PORT").is_some() {
+                    prop_assert!(l.master.parse::<std::net::SocketAddr>().is_ok(), "{}", l.master);
+                }
             }
             Ok(None) => {}
             Err(Error::InvalidArgument(m)) => prop_assert!(!m.is_empty()),

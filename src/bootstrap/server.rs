@@ -22,7 +22,7 @@ pub const MAX_CONNECTIONS: usize = 64;
 const LINGER: Duration = Duration::from_millis(500);
 const LINGER_BYTES: usize = 64 * 1024;
 /// The acceptor's poll interval (std has no readiness wait): the latency a new connection sees.
-const POLL: Duration = Duration::from_millis(2);
+const POLL: Duration = Duration::from_millis(5);
 /// The most ranks a job has (NCCL's rank count is an `int`).
 pub(super) const MAX_WORLD: usize = i32::MAX as usize;
 
@@ -256,7 +256,10 @@ impl Shared {
             (s.no_randomness, "refused: /dev/urandom could not be read".into()),
             (
                 s.cut_off,
-                format!("cut off at their deadline ({:?} each)", self.connection_timeout),
+                format!(
+                    "cut off unfinished at their deadline ({:?} each, or the server's)",
+                    self.connection_timeout
+                ),
             ),
             (s.closed, "closed by the client before the exchange ended".into()),
             (
@@ -288,9 +291,6 @@ impl Shared {
 }
 
 impl Ranks for Shared {
-    fn served(&self, rank: u32) -> bool {
-        self.state().served.contains(&rank)
-    }
     fn claim(&self, rank: u32) -> bool {
         self.state().served.insert(rank)
     }
@@ -357,6 +357,7 @@ fn admit(conn: TcpStream, shared: &Arc<Shared>, server_deadline: Instant) {
     let worker = shared.clone();
     let spawned = std::thread::Builder::new()
         .name("handoff-bootstrap-conn".into())
+        .stack_size(256 * 1024)
         .spawn(move || {
             let outcome = serve_connection(&conn, &worker, deadline);
             worker.forget(key, outcome);

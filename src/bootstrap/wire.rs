@@ -135,10 +135,9 @@ pub(super) struct ServerSide<'a> {
     pub secret: Option<&'a Secret>,
 }
 
-/// The ranks served so far, shared by the server's connections.
+/// The ranks served so far, shared by the server's connections. Under a secret, whether a rank
+/// was served is told to a client only once it has authenticated.
 pub(super) trait Ranks {
-    /// Whether `rank` has been given the id.
-    fn served(&self, rank: u32) -> bool;
     /// Marks `rank` served; false when it already was.
     fn claim(&self, rank: u32) -> bool;
     /// Undoes a claim whose id could not be sent.
@@ -260,9 +259,6 @@ pub(super) fn serve(
     }
     if rank == 0 || rank >= world {
         return refuse(w, true, Refusal::RankOutOfRange(rank), world);
-    }
-    if ranks.served(rank) {
-        return refuse(w, true, Refusal::AlreadyServed(rank), world);
     }
     let secret = match (side.secret, flags & FLAG_SECRET != 0) {
         (None, true) => return refuse(w, true, Refusal::ServerLacksSecret, world),
@@ -555,9 +551,6 @@ mod tests {
     struct Set(RefCell<BTreeSet<u32>>);
 
     impl Ranks for Set {
-        fn served(&self, rank: u32) -> bool {
-            self.0.borrow().contains(&rank)
-        }
         fn claim(&self, rank: u32) -> bool {
             self.0.borrow_mut().insert(rank)
         }
@@ -793,6 +786,25 @@ mod tests {
             );
             for (k, n) in &seen {
                 println!("  {n:5} {k}");
+            }
+            let mut expected = vec![
+                "retry: rank 0's server was busy",
+                "retry: waiting for",
+                "failed: refused",
+            ];
+            if with_secret {
+                expected.extend([
+                    "authentication failed: rank did not prove",
+                    "retry: reading rank 0's challenge",
+                ]);
+            } else {
+                expected.push("id");
+            }
+            for e in expected {
+                assert!(
+                    seen.keys().any(|k| k.starts_with(e)),
+                    "no case gave {e}: {seen:?}"
+                );
             }
         }
         println!("bootstrap client property: {} cases", ran.get());
