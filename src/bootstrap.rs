@@ -2,8 +2,8 @@
 //! and sharing the [`UniqueId`] over TCP.
 //!
 //! Rank 0 makes the id and serves it at `MASTER_ADDR:MASTER_PORT`; every other rank connects
-//! (retrying until its timeout, so start order does not matter) and fetches it. NCCL then
-//! carries all traffic itself, so the same code spans machines.
+//! (retrying until its timeout, so start order does not matter), says which rank it is, and
+//! fetches it. NCCL then carries all traffic itself, so the same code spans machines.
 //!
 //! # Launchers
 //! [`Launch::from_env`] reads, in this order: torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`;
@@ -11,32 +11,124 @@
 //! `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`. The address always comes from
 //! `MASTER_ADDR` and `MASTER_PORT` (torchrun sets them; under Slurm or mpirun, export them), the
 //! port from `HANDOFF_PORT` instead where it is set: torchrun's own store already listens on
-//! `MASTER_PORT` on rank 0's host.
+//! `MASTER_PORT` on rank 0's host. The job's shared secret, if any, comes from
+//! `HANDOFF_SECRET` (the secret as text) or `HANDOFF_SECRET_FILE` (a file holding it, mode
+//! 0600); see [`Secret`].
 //!
-//! # Wire format (version 1)
-//! The client sends 8 bytes: `HNDOFF`, 0, version. The server answers 8 bytes (`HNDOFF`, 0, its
-//! version), one status byte, then either the 128 id bytes (status 0) or a big-endian u16 length
-//! and a UTF-8 message (status 1: refused). A connection that sends anything else gets the
-//! refusal and is closed; the server keeps serving the others.
+//! # Bounds
+//! The server has one deadline for the whole exchange (the timeout given to
+//! [`Launch::unique_id`], [`serve_unique_id`]) and each connection its own
+//! ([`BootstrapOptions::connection_timeout`], 5 s by default, within the server's): hello,
+//! authentication and id together, however slowly a client sends its bytes. Connections are
+//! served concurrently (up to [`MAX_CONNECTIONS`] at once), so an idle, slow or garbled
+//! connection delays no other. Each rank `1..world` is served once: a rank already served, or
+//! out of range, is refused. [`fetch_unique_id`] keeps to its own timeout the same way, however
+//! a server paces its bytes.
+//!
+//! # Authentication
+//! With a secret on every rank, the server sends a fresh random nonce and its proof of the
+//! secret, `HMAC-SHA256(secret, label ‖ rank ‖ client nonce ‖ server nonce)`; the client
+//! checks it and answers its own; the server checks that (in constant time) before it sends
+//! anything about the id, and then sends the id encrypted under a keystream derived from the
+//! secret and both nonces, with a MAC the client checks before trusting it. The secret never
+//! crosses the wire, and nor does the id in the clear. A secret on one side only, or two
+//! different ones, is [`Error::BootstrapAuth`] on the rank (naming what to set) and counted in
+//! rank 0's [`Error::BootstrapTimeout`].
+//!
+//! What someone who can connect to the port can still do:
+//! - Without a secret: fetch the id (all NCCL needs to join the job as a rank), and so take a
+//!   rank's place (the real rank is then refused: "rank r has already fetched the id"); hold
+//!   connections open to deny service until the server's deadline.
+//! - With a secret: deny service until the deadline, by keeping [`MAX_CONNECTIONS`]
+//!   connections open (each cut off at its own deadline, then opened again); nothing else.
+//!   They learn nothing about the secret or the id, and a rank's place cannot be taken.
+//! - Either way, handoff does not authenticate NCCL's own sockets: anyone who learns the id
+//!   otherwise, or who can reach NCCL's ports, is NCCL's concern.
+//!
+//! # Wire format (version 2)
+//! The client sends 45 bytes: `HNDOFF`, 0, version, flags (bit 0: it holds a secret), its rank
+//! (u32, big-endian) and a 32-byte nonce. The server answers `HNDOFF`, 0, its version, and a
+//! status byte: 0 and the 128 id bytes (no secret); 2, a challenge (under a secret, as above);
+//! or a refusal (1; 3 "busy, try again"; 4 authentication), a big-endian u16 length and a UTF-8
+//! message. A connection that sends anything else gets the refusal and is closed; the server
+//! keeps serving the others. Version 1's refusal has the same layout, so a rank of either
+//! version is told the other's version.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::thread::JoinHandle;
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nccl::{CommOptions, Communicator, UniqueId};
 
-/// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 1;
-const MAGIC: &[u8; 6] = b"HNDOFF";
+mod client;
+mod secret;
+mod server;
+mod wire;
 
-fn header(version: u8) -> [u8; 8] {
-    let mut h = [0u8; 8];
-    h[..6].copy_from_slice(MAGIC);
-    h[7] = version;
-    h
+pub use client::fetch_unique_id;
+pub use secret::{SECRET_FILE_VAR, SECRET_VAR, Secret};
+pub use server::{IdServer, MAX_CONNECTIONS, serve_unique_id};
+pub use wire::PROTOCOL_VERSION;
+
+/// The deadline and the secret of one id exchange.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootstrapOptions {
+    timeout: Duration,
+    connection_timeout: Duration,
+    secret: Option<Secret>,
+}
+
+impl BootstrapOptions {
+    /// Each connection's deadline unless set otherwise.
+    pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// No secret; the whole exchange within `timeout`, each connection within
+    /// [`BootstrapOptions::DEFAULT_CONNECTION_TIMEOUT`] of it.
+    pub fn new(timeout: Duration) -> BootstrapOptions {
+        BootstrapOptions {
+            timeout,
+            connection_timeout: Self::DEFAULT_CONNECTION_TIMEOUT,
+            secret: None,
+        }
+    }
+
+    /// The id goes only to clients proving they hold `secret` (server), and is taken only from a
+    /// server proving it (client).
+    pub fn with_secret(mut self, secret: Secret) -> BootstrapOptions {
+        self.secret = Some(secret);
+        self
+    }
+
+    /// How long one connection may take on the server, from its accept to the id sent (within
+    /// the server's own timeout); after that it is closed.
+    pub fn with_connection_timeout(mut self, timeout: Duration) -> BootstrapOptions {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// The whole exchange's deadline: the server's, or a client's to fetch the id.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// One connection's deadline on the server.
+    pub fn connection_timeout(&self) -> Duration {
+        self.connection_timeout
+    }
+
+    /// The shared secret, if any.
+    pub fn secret(&self) -> Option<&Secret> {
+        self.secret.as_ref()
+    }
+}
+
+/// `timeout` from now, or far in the future when that is past what an `Instant` holds.
+fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(u32::MAX.into())))
+        .unwrap_or(now)
 }
 
 /// Where this process sits in a multi-process job, as its launcher described it.
@@ -52,6 +144,9 @@ pub struct Launch {
     pub master: String,
     /// Which launcher's variables were read: `torchrun`, `slurm` or `openmpi`.
     pub launcher: &'static str,
+    /// The job's shared secret (`HANDOFF_SECRET` or `HANDOFF_SECRET_FILE`), proving the ranks
+    /// to each other in the id exchange; `None`: anyone who reaches `master` can fetch the id.
+    pub secret: Option<Secret>,
 }
 
 const LAUNCHERS: &[(&str, &str, &str, &str)] = &[
@@ -69,40 +164,52 @@ impl Launch {
     /// Reads the launcher variables of this process; `Ok(None)` when none are set.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming the variable that is malformed or missing.
+    /// [`Error::InvalidArgument`] naming the variable that is malformed or missing, or a
+    /// secret that cannot be used (see [`Secret::from_env`]).
     pub fn from_env() -> Result<Option<Launch>> {
-        Self::from_vars(|k| std::env::var(k).ok())
+        // A value that is not UTF-8 is read (with replacement characters) and then rejected,
+        // never taken for an unset variable.
+        Self::from_vars(|k| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned()))
     }
 
     /// As [`Launch::from_env`], reading variables through `var` (for tests, or a launcher of
-    /// your own).
+    /// your own). Each variable is read once.
     ///
     /// # Errors
     /// As [`Launch::from_env`].
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<Launch>> {
-        let Some(&(launcher, rank_var, size_var, local_var)) = LAUNCHERS
-            .iter()
-            .find(|(_, r, s, _)| var(r).is_some() && var(s).is_some())
+        let Some((launcher, (rank_var, rank), (size_var, size), local)) =
+            LAUNCHERS
+                .iter()
+                .find_map(|&(launcher, r, s, l)| match (var(r), var(s)) {
+                    (Some(rank), Some(size)) => Some((launcher, (r, rank), (s, size), (l, var(l)))),
+                    _ => None,
+                })
         else {
             return Ok(None);
         };
-        let num = |name: &str| -> Result<Option<usize>> {
-            var(name)
-                .map(|v| {
-                    v.trim().parse::<usize>().map_err(|_| {
-                        Error::InvalidArgument(format!("{name}={v:?} ({launcher}) is not a whole number"))
-                    })
-                })
-                .transpose()
+        let num = |name: &str, v: &str| -> Result<usize> {
+            v.trim().parse::<usize>().map_err(|_| {
+                Error::InvalidArgument(format!("{name}={v:?} ({launcher}) is not a whole number"))
+            })
         };
-        let rank = num(rank_var)?.expect("checked above");
-        let world_size = num(size_var)?.expect("checked above");
-        if world_size == 0 || rank >= world_size {
+        let rank_n = num(rank_var, &rank)?;
+        let world_size = num(size_var, &size)?;
+        if world_size == 0 || rank_n >= world_size {
             return Err(Error::InvalidArgument(format!(
-                "{rank_var}={rank} and {size_var}={world_size} ({launcher}): the rank must be below the size"
+                "{rank_var}={rank_n} and {size_var}={world_size} ({launcher}): the rank must be below the size"
             )));
         }
-        let local_rank = num(local_var)?.unwrap_or(rank);
+        if world_size > server::MAX_WORLD {
+            return Err(Error::InvalidArgument(format!(
+                "{size_var}={world_size} ({launcher}): NCCL takes at most {} ranks",
+                server::MAX_WORLD
+            )));
+        }
+        let local_rank = match &local.1 {
+            Some(v) => num(local.0, v)?,
+            None => rank_n,
+        };
         // torchrun's own store listens on MASTER_PORT on rank 0's host: HANDOFF_PORT names
         // another port for the id.
         let port = var("HANDOFF_PORT")
@@ -114,7 +221,18 @@ impl Launch {
                     .trim()
                     .parse()
                     .map_err(|_| Error::InvalidArgument(format!("{name}={p:?} is not a port number")))?;
-                format!("{}:{port}", a.trim())
+                let host = a.trim();
+                if host.is_empty() {
+                    return Err(Error::InvalidArgument(
+                        "MASTER_ADDR is empty: set it to rank 0's host".into(),
+                    ));
+                }
+                // An IPv6 address takes brackets before the port.
+                if host.contains(':') && !host.starts_with('[') {
+                    format!("[{host}]:{port}")
+                } else {
+                    format!("{host}:{port}")
+                }
             }
             _ if world_size == 1 => String::new(),
             _ => {
@@ -126,32 +244,45 @@ impl Launch {
             }
         };
         Ok(Some(Launch {
-            rank,
+            rank: rank_n,
             world_size,
             local_rank,
             master,
             launcher,
+            secret: Secret::from_vars(&var)?,
         }))
+    }
+
+    /// The options of this launch's id exchange: `timeout`, and its secret.
+    pub fn bootstrap_options(&self, timeout: Duration) -> BootstrapOptions {
+        let options = BootstrapOptions::new(timeout);
+        match &self.secret {
+            Some(s) => options.with_secret(s.clone()),
+            None => options,
+        }
     }
 
     /// Shares a unique id among the launch's ranks: rank 0 makes it and serves it in the
     /// background until every other rank has fetched it or `timeout` passes; the others fetch
-    /// it. With one rank, nothing is served.
+    /// it within `timeout`. With one rank, nothing is served.
     ///
     /// # Errors
     /// [`Error::Bootstrap`] (port in use, unreachable address, a peer speaking another
-    /// protocol), [`Error::Timeout`], NCCL errors from making the id.
+    /// protocol, a refusal), [`Error::BootstrapAuth`] (the secret is missing on one side or
+    /// differs), [`Error::BootstrapTimeout`] (rank 0 never answered), NCCL errors from making
+    /// the id.
     pub fn unique_id(&self, timeout: Duration) -> Result<(UniqueId, Option<IdServer>)> {
+        let options = self.bootstrap_options(timeout);
         if self.rank == 0 {
             let id = UniqueId::new()?;
             let server = if self.world_size > 1 {
-                Some(serve_unique_id(&self.master, &id, self.world_size - 1, timeout)?)
+                Some(serve_unique_id(&self.master, &id, self.world_size, &options)?)
             } else {
                 None
             };
             Ok((id, server))
         } else {
-            Ok((fetch_unique_id(&self.master, timeout)?, None))
+            Ok((fetch_unique_id(&self.master, self.rank, &options)?, None))
         }
     }
 
@@ -175,12 +306,15 @@ impl Launch {
 
 /// Starts `world` copies of the running executable on this machine, one rank each, as a launcher
 /// would: rank `r` gets `RANK=r`, `WORLD_SIZE`, `LOCAL_RANK=r`, `MASTER_ADDR=127.0.0.1` and a
-/// free `MASTER_PORT`, and inherits the rest of the environment (`NCCL_*` included).
-/// `configure` may change each rank's command (arguments, variables, redirections) before it
-/// starts. Returns the children in rank order; the caller waits for them.
+/// free `MASTER_PORT`, and inherits the rest of the environment (`NCCL_*` included). Unless
+/// this process has `HANDOFF_SECRET` or `HANDOFF_SECRET_FILE` set, the ranks get a fresh random
+/// `HANDOFF_SECRET`, so that no other local process can fetch their id. `configure` may change
+/// each rank's command (arguments, variables, redirections) before it starts. Returns the
+/// children in rank order; the caller waits for them.
 ///
 /// # Errors
-/// [`Error::Bootstrap`] when no port is free or a process cannot be started.
+/// [`Error::Bootstrap`] when no port is free, no secret can be drawn from /dev/urandom, or a
+/// process cannot be started.
 pub fn spawn_local(
     world: usize,
     mut configure: impl FnMut(usize, &mut std::process::Command),
@@ -196,6 +330,10 @@ pub fn spawn_local(
         .map_err(|e| fail(format!("no free local port: {e}")))?
         .port();
     let exe = std::env::current_exe().map_err(|e| fail(format!("cannot find this executable: {e}")))?;
+    let secret = match (std::env::var_os(SECRET_VAR), std::env::var_os(SECRET_FILE_VAR)) {
+        (None, None) => Some(Secret::random_hex().map_err(|e| fail(format!("cannot draw a secret: {e}")))?),
+        _ => None,
+    };
     (0..world)
         .map(|rank| {
             let mut cmd = std::process::Command::new(&exe);
@@ -204,6 +342,9 @@ pub fn spawn_local(
                 .env("LOCAL_RANK", rank.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string());
+            if let Some(s) = &secret {
+                cmd.env(SECRET_VAR, s);
+            }
             configure(rank, &mut cmd);
             cmd.spawn()
                 .map_err(|e| fail(format!("cannot start rank {rank}: {e}")))
@@ -222,212 +363,6 @@ fn resolve(addr: &str) -> Result<SocketAddr> {
             addr: addr.to_string(),
             detail: "resolves to no address".into(),
         })
-}
-
-/// Rank 0's server of the unique id, running on a background thread.
-#[derive(Debug)]
-pub struct IdServer {
-    addr: String,
-    thread: JoinHandle<Result<()>>,
-}
-
-impl IdServer {
-    /// The address served.
-    pub fn addr(&self) -> &str {
-        &self.addr
-    }
-
-    /// Waits for the server to finish: `Ok` once every rank was served.
-    ///
-    /// # Errors
-    /// [`Error::Timeout`] when some rank never came.
-    pub fn wait(self) -> Result<()> {
-        self.thread.join().unwrap_or_else(|_| {
-            Err(Error::Bootstrap {
-                addr: self.addr.clone(),
-                detail: "the server thread panicked".into(),
-            })
-        })
-    }
-}
-
-/// Listens at `addr` now (so a port in use fails here) and serves `id` to `clients`
-/// connections on a background thread, until all are served or `timeout` passes.
-///
-/// # Errors
-/// [`Error::Bootstrap`] when the address cannot be listened on.
-pub fn serve_unique_id(addr: &str, id: &UniqueId, clients: usize, timeout: Duration) -> Result<IdServer> {
-    let sock = resolve(addr)?;
-    let listener = TcpListener::bind(sock).map_err(|e| Error::Bootstrap {
-        addr: addr.to_string(),
-        detail: format!(
-            "cannot listen: {e}{}",
-            if e.kind() == std::io::ErrorKind::AddrInUse {
-                "; another job or an earlier run holds the port: set MASTER_PORT to a free one"
-            } else {
-                ""
-            }
-        ),
-    })?;
-    listener.set_nonblocking(true).map_err(|e| Error::Bootstrap {
-        addr: addr.to_string(),
-        detail: e.to_string(),
-    })?;
-    let (addr_owned, id) = (addr.to_string(), id.clone());
-    let thread = std::thread::Builder::new()
-        .name("handoff-bootstrap".into())
-        .spawn(move || serve_loop(listener, &addr_owned, &id, clients, timeout))
-        .map_err(|e| Error::Bootstrap {
-            addr: addr.to_string(),
-            detail: format!("cannot start a thread: {e}"),
-        })?;
-    Ok(IdServer {
-        addr: addr.to_string(),
-        thread,
-    })
-}
-
-fn serve_loop(
-    listener: TcpListener,
-    addr: &str,
-    id: &UniqueId,
-    clients: usize,
-    timeout: Duration,
-) -> Result<()> {
-    let started = Instant::now();
-    let mut served = 0;
-    while served < clients {
-        if started.elapsed() >= timeout {
-            return Err(Error::Timeout {
-                what: format!(
-                    "serving the unique id at {addr}: {served} of {clients} other rank(s) fetched it"
-                ),
-                after: timeout,
-            });
-        }
-        match listener.accept() {
-            Ok((conn, _)) => {
-                if serve_one(conn, id) {
-                    served += 1;
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(5)),
-        }
-    }
-    Ok(())
-}
-
-/// Serves one connection; true if it was a client of this protocol and got the id.
-fn serve_one(mut conn: TcpStream, id: &UniqueId) -> bool {
-    // A silent or slow connection must not hold up the others for long.
-    let _ = conn.set_nonblocking(false);
-    let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
-    let _ = conn.set_write_timeout(Some(Duration::from_secs(2)));
-    let mut hello = [0u8; 8];
-    let refusal = match conn.read_exact(&mut hello) {
-        Err(e) => format!("no handoff hello received ({e})"),
-        Ok(()) if &hello[..6] != MAGIC || hello[6] != 0 => "this port serves a handoff unique id; \
-             the connection did not speak the handoff bootstrap protocol"
-            .to_string(),
-        Ok(()) if hello[7] != PROTOCOL_VERSION => format!(
-            "protocol version {} asked, this server speaks version {PROTOCOL_VERSION}: use the same \
-             handoff version on every rank",
-            hello[7]
-        ),
-        Ok(()) => {
-            let mut reply = Vec::with_capacity(9 + UniqueId::BYTES);
-            reply.extend_from_slice(&header(PROTOCOL_VERSION));
-            reply.push(0);
-            reply.extend_from_slice(id.as_bytes());
-            return conn.write_all(&reply).and_then(|()| conn.flush()).is_ok();
-        }
-    };
-    let msg = refusal.as_bytes();
-    let len = msg.len().min(u16::MAX as usize);
-    let mut reply = Vec::with_capacity(11 + len);
-    reply.extend_from_slice(&header(PROTOCOL_VERSION));
-    reply.push(1);
-    reply.extend_from_slice(&(len as u16).to_be_bytes());
-    reply.extend_from_slice(&msg[..len]);
-    let _ = conn.write_all(&reply);
-    // Closing with unread input would reset the connection and lose the refusal: stop
-    // writing, then drain what the peer sent, briefly.
-    let _ = conn.shutdown(std::net::Shutdown::Write);
-    let _ = conn.set_read_timeout(Some(Duration::from_millis(200)));
-    let mut sink = [0u8; 512];
-    while matches!(conn.read(&mut sink), Ok(n) if n > 0) {}
-    false
-}
-
-/// Fetches the unique id from rank 0's server at `addr`, retrying while nobody listens there
-/// yet, until `timeout`.
-///
-/// # Errors
-/// [`Error::Timeout`] naming the address when no server answered in time; [`Error::Bootstrap`]
-/// when something answered but not with an id (another program, another version).
-pub fn fetch_unique_id(addr: &str, timeout: Duration) -> Result<UniqueId> {
-    let started = Instant::now();
-    let sock = resolve(addr)?;
-    let bootstrap = |detail: String| Error::Bootstrap {
-        addr: addr.to_string(),
-        detail,
-    };
-    let mut last = String::from("nothing tried");
-    loop {
-        let left = timeout.saturating_sub(started.elapsed());
-        if left.is_zero() {
-            return Err(Error::Timeout {
-                what: format!("fetching the unique id from rank 0 at {addr} (last attempt: {last})"),
-                after: timeout,
-            });
-        }
-        match TcpStream::connect_timeout(&sock, left.min(Duration::from_secs(1))) {
-            Ok(mut conn) => {
-                let _ = conn.set_read_timeout(Some(left.max(Duration::from_millis(1))));
-                conn.write_all(&header(PROTOCOL_VERSION))
-                    .map_err(|e| bootstrap(format!("sending the hello: {e}")))?;
-                let mut head = [0u8; 9];
-                conn.read_exact(&mut head).map_err(|e| {
-                    bootstrap(format!(
-                        "no handoff answer (is something else listening there?): {e}"
-                    ))
-                })?;
-                if &head[..6] != MAGIC || head[6] != 0 {
-                    return Err(bootstrap(
-                        "the answer is not the handoff bootstrap protocol: another program holds the port"
-                            .into(),
-                    ));
-                }
-                if head[7] != PROTOCOL_VERSION {
-                    return Err(bootstrap(format!(
-                        "rank 0 speaks protocol version {}, this rank {PROTOCOL_VERSION}: use the same \
-                         handoff version on every rank",
-                        head[7]
-                    )));
-                }
-                if head[8] != 0 {
-                    let mut len = [0u8; 2];
-                    let mut msg = Vec::new();
-                    if conn.read_exact(&mut len).is_ok() {
-                        msg.resize(u16::from_be_bytes(len) as usize, 0);
-                        let _ = conn.read_exact(&mut msg);
-                    }
-                    return Err(bootstrap(format!("refused: {}", String::from_utf8_lossy(&msg))));
-                }
-                let mut id = [0u8; UniqueId::BYTES];
-                conn.read_exact(&mut id)
-                    .map_err(|e| bootstrap(format!("the id was cut short: {e}")))?;
-                return UniqueId::from_bytes(&id);
-            }
-            Err(e) => {
-                last = e.to_string();
-                std::thread::sleep(Duration::from_millis(50).min(left));
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -466,7 +401,8 @@ mod tests {
                 world_size: 4,
                 local_rank: 1,
                 master: "10.0.0.1:29500".into(),
-                launcher: "torchrun"
+                launcher: "torchrun",
+                secret: None,
             }
         );
     }
@@ -517,6 +453,31 @@ mod tests {
     }
 
     #[test]
+    fn each_variable_is_read_once_and_a_fickle_lookup_cannot_panic() {
+        use std::cell::RefCell;
+        let reads = RefCell::new(HashMap::<String, usize>::new());
+        // Answers a variable only the first time it is asked for it.
+        let fickle = |k: &str| {
+            let mut r = reads.borrow_mut();
+            let n = r.entry(k.to_string()).or_default();
+            *n += 1;
+            let first = *n == 1;
+            let v = match k {
+                "RANK" => "1",
+                "WORLD_SIZE" => "2",
+                "MASTER_ADDR" => "::1",
+                "MASTER_PORT" => "29500",
+                _ => return None,
+            };
+            first.then(|| v.to_string())
+        };
+        let l = Launch::from_vars(fickle).unwrap().unwrap();
+        assert_eq!((l.rank, l.world_size, l.master.as_str()), (1, 2, "[::1]:29500"));
+        assert!(l.master.parse::<SocketAddr>().is_ok());
+        assert!(reads.borrow().values().all(|&n| n == 1), "{:?}", reads.borrow());
+    }
+
+    #[test]
     fn bad_launcher_variables_are_named() {
         let e = Launch::from_vars(vars(&[("RANK", "x"), ("WORLD_SIZE", "2")]))
             .unwrap_err()
@@ -543,5 +504,18 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("MASTER_PORT"), "{e}");
+        let e = Launch::from_vars(vars(&[("RANK", "0"), ("WORLD_SIZE", "4294967296")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at most 2147483647 ranks"), "{e}");
+        let e = Launch::from_vars(vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", " "),
+            ("MASTER_PORT", "1"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("MASTER_ADDR is empty"), "{e}");
     }
 }

@@ -240,6 +240,28 @@ pub enum Error {
         /// What is missing.
         detail: String,
     },
+
+    /// The unique-id exchange ran out of time: rank 0's server saw not every rank fetch the id,
+    /// or a rank fetching it got no answer it could use from rank 0.
+    #[error("bootstrap at {addr} timed out after {after:?}: {detail}")]
+    BootstrapTimeout {
+        /// The address served or contacted (MASTER_ADDR:MASTER_PORT).
+        addr: String,
+        /// What was missing and what the exchange saw, and what to do.
+        detail: String,
+        /// The deadline that passed.
+        after: std::time::Duration,
+    },
+
+    /// The unique-id exchange's authentication failed: one side holds a shared secret and the
+    /// other none, or the two hold different ones. Nothing about the id was sent or trusted.
+    #[error("bootstrap at {addr}: authentication failed: {detail}")]
+    BootstrapAuth {
+        /// The address served or contacted (MASTER_ADDR:MASTER_PORT).
+        addr: String,
+        /// Which side lacks the secret or that they differ, and what to set.
+        detail: String,
+    },
 }
 
 /// The crate's result type.

@@ -404,8 +404,12 @@ fn rogue() -> Result<(), Failed> {
 fn secrets_differ() -> Result<(), Failed> {
     let h = Hosts::new()?;
     for (s0, s1, said) in [
-        (Some("alpha"), Some("beta"), "HANDOFF_SECRET"),
-        (Some("alpha"), None, "has a shared secret"),
+        (
+            Some("alpha-secret-of-the-job"),
+            Some("beta-secret-of-the-job"),
+            "HANDOFF_SECRET",
+        ),
+        (Some("alpha-secret-of-the-job"), None, "has a shared secret"),
     ] {
         let dir = scratch();
         let extra = |ip: &str, s: Option<&str>| {

@@ -34,33 +34,17 @@ const OK: u32 = 0;
 const NOT_EXPECTED: u32 = 1;
 const SECRET_DIFFERS: u32 = 2;
 
-/// The job's shared secret: `HANDOFF_SECRET` (its bytes), else the contents of the file named
-/// by `HANDOFF_SECRET_FILE` (a final newline dropped), else none.
+/// The job's shared secret, as the bootstrap reads it ([`crate::bootstrap::Secret::from_env`]:
+/// `HANDOFF_SECRET`, or the owner-only file `HANDOFF_SECRET_FILE` names), so that one setting
+/// keys both.
 ///
 /// # Errors
-/// The file cannot be read, or the secret is empty.
+/// As `Secret::from_env`: both variables set, an unreadable or too open file, a secret too
+/// short.
 pub(crate) fn job_secret() -> Result<Option<Vec<u8>>, String> {
-    use std::os::unix::ffi::OsStrExt;
-    let secret = if let Some(s) = std::env::var_os("HANDOFF_SECRET") {
-        s.as_bytes().to_vec()
-    } else if let Some(path) = std::env::var_os("HANDOFF_SECRET_FILE") {
-        let mut s = std::fs::read(&path).map_err(|e| {
-            format!(
-                "HANDOFF_SECRET_FILE={}: {e}; name a readable file holding the job's secret",
-                path.to_string_lossy()
-            )
-        })?;
-        if s.last() == Some(&b'\n') {
-            s.pop();
-        }
-        s
-    } else {
-        return Ok(None);
-    };
-    if secret.is_empty() {
-        return Err("the job's shared secret (HANDOFF_SECRET or HANDOFF_SECRET_FILE) is empty".into());
-    }
-    Ok(Some(secret))
+    crate::bootstrap::Secret::from_env()
+        .map(|s| s.map(|s| s.bytes().to_vec()))
+        .map_err(|e| e.to_string())
 }
 
 /// `N` bytes from the kernel's random source.
