@@ -59,7 +59,10 @@
 //! [`Stream`], [`Event`], [`Device`] and [`DeviceBuffer`] are `Send` and `Sync`: the CUDA
 //! runtime lets any thread use them, and a buffer's bookkeeping is behind a mutex.
 //! [`Communicator`] is `Send` but not `Sync`: NCCL calls on one communicator must not run
-//! concurrently. Each call makes its device current on the calling thread first.
+//! concurrently. Each call that runs on the current device (creating a stream or an event, a
+//! kernel launch, a copy, an allocation, a graph launch) makes its device current first, only
+//! when another is; NCCL operations leave that to NCCL, which sets and restores it; waits and
+//! event records take their device from the stream.
 //!
 //! # Soundness
 //! No sequence of safe calls, on any thread, in any build, whatever another rank running
@@ -77,9 +80,10 @@
 //! - **Across threads.** Several threads may read one buffer on one shared stream. Recording
 //!   the event after a use and storing it in the buffer's tracker happen under one per-stream
 //!   lock, so the newest event on a stream is always the one stored: a later write waits for
-//!   every read. Tests: a CPU test that forces the interleaving that lost an event before;
-//!   `tests/threads.rs` (twelve threads reading on a shared stream, then a write; it fails
-//!   against the crate before the fix).
+//!   every read. The engine takes stream locks in stream-id order and buffer locks in key
+//!   order, then a communicator's lock innermost. Tests: a CPU test that forces the
+//!   interleaving that lost an event before; `tests/threads.rs` (twelve threads reading on a
+//!   shared stream, then a write; it fails against the crate before the fix).
 //! - **Host and drop.** Host copies wait for the last write and block until the copy's own
 //!   event has completed (a capture begun on the stream meanwhile cannot cut the wait short;
 //!   should CUDA report neither completion nor a sticky error for about a minute, the process
@@ -156,14 +160,48 @@
 //!   A rank whose own earlier GPU work holds its side up says so in its mailbox with a
 //!   heartbeat, and its peers wait on, up to ten timeouts in all.
 //!   Ranks of one process driven by one thread must post together in a group: a lone send
-//!   between them is an error at once, not NCCL's endless wait. Tests: `tests/soundness.rs`
-//!   (a stuck receive, a long kernel before a transfer, one thread driving two ranks);
-//!   `tests/reliability.rs` (a killed peer).
+//!   between them is an error at once, not NCCL's endless wait. The watchdog never queries an
+//!   event under a communicator's lock, which every NCCL call takes: it copies entries out by
+//!   sequence number, queries unlocked, and applies what it found by number. NCCL runs one
+//!   communicator's operations in order (each group's launch stream waits for the
+//!   communicator's `deviceStream`, which then advances past the kernel: `src/enqueue.cc`
+//!   1485-1486 and 1698-1713 at 2.28.3), and a graph's replays run in order on its one stream,
+//!   so the newest completed entry proves every older one complete. A panic in a look aborts
+//!   that communicator; should the thread end, every communicator's next call and every new
+//!   communicator fail. When the event after an NCCL operation cannot be recorded, its
+//!   communicators are aborted before the host waits for the stream. Tests:
+//!   `tests/soundness.rs` (a stuck receive, a long kernel before a transfer, one thread driving
+//!   two ranks); `tests/reliability.rs` (a killed peer); the watchdog's CPU tests (a fake GPU
+//!   that fails any query under the lock, a panicking look, an overflowing timeout) and
+//!   `tests/hotpath.rs` (its queries for 64 operations, and the failed record).
+//! - **Bootstrap.** Rank 0's unique-id server, and a rank fetching the id, hold to their
+//!   timeout whatever the other end sends or withholds: one deadline for the exchange and one
+//!   per connection (hello, authentication and id together, however slowly the bytes come).
+//!   Connections are served concurrently (at most [`bootstrap::MAX_CONNECTIONS`]), so an idle,
+//!   trickling or garbled client delays no rank, and each rank is served once, by the rank
+//!   number it presents. With a shared secret on every rank (`HANDOFF_SECRET`, or
+//!   `HANDOFF_SECRET_FILE` naming an owner-only file), each side proves it holds the secret by
+//!   HMAC-SHA256 over the other's fresh nonce; the server checks in constant time before it
+//!   sends anything about the id, and sends the id only sealed and MACed; a rank trusts an id
+//!   only from a server that proved the secret. The secret never crosses the wire. Tests:
+//!   `tests/bootstrap.rs` (tricklers cut off at their deadline, a rank served beside idle and
+//!   trickling connections, rogue hellos that never see the id, a server without the secret
+//!   refused, mismatched secrets named on both sides) and the property tests of the server,
+//!   the client's parser and the launcher variables.
 //!
 //! What stays the caller's: work queued through raw handles ([`Stream::as_raw`],
-//! [`DeviceBuffer::as_raw_ptr`], [`Communicator::as_raw`]) is neither tracked nor verified.
+//! [`DeviceBuffer::as_raw_ptr`], [`Communicator::as_raw`]) is neither tracked nor verified,
+//! and a stream made by [`Stream::new`] is captured into a CUDA graph only through [`Graph`]
+//! (handoff asks CUDA about foreign captures only on streams wrapped from cudarc).
 //!
 //! Known limits:
+//! - What is trusted at the bootstrap: whoever can reach `MASTER_ADDR:MASTER_PORT` (or
+//!   `HANDOFF_PORT`). Without a secret they can fetch the id (all NCCL needs to join the job
+//!   as a rank), take a rank's place (the real rank is then refused), and hold the exchange up
+//!   until its deadline; with one, they can only deny service until the deadline by flooding
+//!   connections. Same-user processes can read `HANDOFF_SECRET` in `/proc/<pid>/environ` (the
+//!   file is the better choice). NCCL's own sockets are not authenticated by handoff, and
+//!   resolving `MASTER_ADDR`'s name is not bounded by the timeout.
 //! - NCCL's own blocking calls. A blocking communicator (the default) is created by
 //!   `ncclCommInitRankConfig` (or split by `ncclCommSplit`), which waits for every rank as long
 //!   as NCCL does, and its first operation with a peer connects inside `ncclGroupEnd`; a peer
