@@ -229,9 +229,13 @@
 //!   counts, types and order), and without a secret anyone who can read the creation-time
 //!   all-gather's traffic learns the channel tokens. More than 32 simultaneous handshakes deny
 //!   setup until the timeout.
-//! - [`Communicator::register_window`] is `unsafe`: verification does not yet compare which
-//!   window and offset each rank passes to a collective, which NCCL's symmetric and
-//!   copy-engine paths rely on.
+//! - [`Communicator::register`] and [`Communicator::register_window`] are `unsafe`:
+//!   verification does not yet compare whether each side of a transfer is registered (NCCL's
+//!   registered send/receive path needs both or neither), nor which window and offset each
+//!   rank passes to a collective (NCCL's symmetric and copy-engine paths rely on it).
+//! - NCCL's tuning variables decide on each rank how it splits a send or receive into steps;
+//!   ranks whose `NCCL_*` settings differ there are refused at creation (see
+//!   [`Communicator::new`]), other `NCCL_*` variables are trusted to be the same.
 //! - A report of cut-short data reaches the first host read of the received buffer (or of a
 //!   pinned host buffer copied from it); a kernel or a device copy that read it on the GPU before
 //!   that passed on partial data (valid values, wrong ones) without its output being flagged.

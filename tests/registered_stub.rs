@@ -155,7 +155,8 @@ fn registration_lifecycle(s: &Stubs) -> Result<(), Failed> {
     let before = s.counts(&names);
     let mut buf = DeviceBuffer::<f32>::zeros_nccl(&stream, 1024)?;
     {
-        let mut reg = comm.register(&mut buf)?;
+        // SAFETY: every transfer over `buf` has registered counterparts (one rank: its own).
+        let mut reg = unsafe { comm.register(&mut buf) }?;
         if !reg.is_active() {
             return Err("the stub returned a handle".into());
         }
@@ -170,11 +171,13 @@ fn registration_lifecycle(s: &Stubs) -> Result<(), Failed> {
         return Err("the registration's drop did not wait for the buffer's uses".into());
     }
     // Explicit deregistration reports, and the buffer is the caller's again.
-    let reg = comm.register(&mut buf)?;
+    // SAFETY: every transfer over `buf` has registered counterparts (one rank: its own).
+    let reg = unsafe { comm.register(&mut buf) }?;
     reg.deregister()?;
     buf.memset_zero(&stream)?;
     // Forgotten: the buffer leaks its memory instead of freeing it under NCCL.
-    std::mem::forget(comm.register(&mut buf)?);
+    // SAFETY: nothing is transferred over the buffer.
+    std::mem::forget(unsafe { comm.register(&mut buf) }?);
     let frees = s.count("ncclMemFree");
     match buf.free() {
         Err(Error::InvalidArgument(m)) if m.contains("forgotten") => {}
@@ -272,7 +275,8 @@ fn child_without_the_functions() -> Result<(), String> {
     };
     check("zeros_nccl", DeviceBuffer::<f32>::zeros_nccl(&stream, 16).err())?;
     let mut buf = DeviceBuffer::<f32>::zeros(&stream, 16).map_err(|e| e.to_string())?;
-    check("register", comm.register(&mut buf).err())?;
+    // SAFETY: refused before anything is registered (the NCCL lacks the call).
+    check("register", unsafe { comm.register(&mut buf) }.err())?;
     // SAFETY: refused before NCCL (one rank).
     check("register_window", unsafe { comm.register_window(&mut buf) }.err())?;
     comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &stream)

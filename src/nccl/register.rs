@@ -50,7 +50,8 @@ use crate::view::{View, ViewMut};
 
 /// A buffer registered with a communicator (`ncclCommRegister`), so that NCCL's operations on
 /// it may skip staging copies (zero-copy over NVLink and the network, fewer SMs). Made by
-/// [`Communicator::register`]; see the module for the rules it enforces.
+/// [`Communicator::register`] (`unsafe`: both sides of every transfer over it must be
+/// registered); see the module for the rules it enforces.
 ///
 /// The buffer is used through the registration: [`Registration::view`] for reads (sends,
 /// collective inputs), [`Registration::view_mut`] for writes (receives, outputs, kernels).
@@ -60,7 +61,7 @@ use crate::view::{View, ViewMut};
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// let reg = {
 ///     let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
-///     comm.register(&mut buf)?
+///     unsafe { comm.register(&mut buf)? }
 /// };
 /// drop(reg);
 /// # Ok(()) }
@@ -69,7 +70,7 @@ use crate::view::{View, ViewMut};
 /// ```compile_fail,E0505
 /// # fn f(comm: handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
-/// let reg = comm.register(&mut buf)?;
+/// let reg = unsafe { comm.register(&mut buf)? };
 /// drop(comm);
 /// drop(reg);
 /// # Ok(()) }
@@ -78,7 +79,7 @@ use crate::view::{View, ViewMut};
 /// ```compile_fail,E0505
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
-/// let reg = comm.register(&mut buf)?;
+/// let reg = unsafe { comm.register(&mut buf)? };
 /// buf.free()?;
 /// drop(reg);
 /// # Ok(()) }
@@ -88,7 +89,7 @@ use crate::view::{View, ViewMut};
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
 /// let mut other = handoff::DeviceBuffer::<f32>::zeros(s, 1024)?;
-/// let mut reg = comm.register(&mut buf)?;
+/// let mut reg = unsafe { comm.register(&mut buf)? };
 /// std::mem::swap(&mut *reg, &mut other);
 /// # Ok(()) }
 /// ```
@@ -98,7 +99,7 @@ use crate::view::{View, ViewMut};
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// use handoff::ReduceOp;
 /// let mut buf = handoff::DeviceBuffer::<f32>::from_slice_nccl(s, &[1.0; 1024])?;
-/// let mut reg = comm.register(&mut buf)?;
+/// let mut reg = unsafe { comm.register(&mut buf)? };
 /// comm.all_reduce_in_place(reg.view_mut(), ReduceOp::Sum, s)?;
 /// reg.deregister()?;
 /// let values = buf.to_vec(s)?;
@@ -455,11 +456,21 @@ impl Communicator {
     /// communicator; dropping the registration waits for the buffer's pending uses, then
     /// deregisters it.
     ///
+    /// # Safety
+    /// Every send or receive and every collective that uses the registered memory has its
+    /// counterparts on the peers in memory registered with their communicators too, and every
+    /// transfer over unregistered memory has unregistered counterparts. NCCL's registered
+    /// send/receive path "require[s] users registering buffers on both sides" (`addP2pToPlan`
+    /// in NCCL 2.28.3's `src/enqueue.cc`) and does not check it: a side registered alone moves
+    /// the transfer in other steps than its peer (`src/device/sendrecv.h`), so the connection's
+    /// step counts drift and later transfers deliver wrong data or hang. Verification compares
+    /// each operation's count, type and order, not yet whether its memory is registered.
+    ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a buffer on another device, or of no bytes;
     /// [`Error::CommunicatorUnusable`]; [`Error::Unsupported`] when the loaded NCCL lacks the
     /// call; NCCL errors.
-    pub fn register<'c, 'b, T: Pod>(
+    pub unsafe fn register<'c, 'b, T: Pod>(
         &'c self,
         buf: &'b mut DeviceBuffer<T>,
     ) -> Result<Registration<'c, 'b, T>> {
@@ -514,9 +525,12 @@ impl Communicator {
     /// its start address and read and write the *peers'* memory at this rank's offset in that
     /// window: a rank that passes another window, another offset, or memory that is no window at
     /// all where the others pass one, makes them read or write a peer's window where that peer
-    /// has other work tracked, a data race on its memory. handoff's verification compares each
-    /// collective's kind, count, type and root, not yet its windows. (A one-rank communicator
-    /// has no peer: there the rule always holds.)
+    /// has other work tracked, a data race on its memory. So, too, every rank drops (or
+    /// deregisters) its window of one index at the same place among its collectives on the
+    /// communicator: a rank whose window is gone takes the ordinary path while its peers, still
+    /// windowed, read and write its memory. handoff's verification compares each collective's
+    /// kind, count, type and root, not yet its windows. (A one-rank communicator has no peer:
+    /// there the rule always holds.)
     ///
     /// # Errors
     /// As above; [`Error::InvalidArgument`] for a communicator of several ranks made by

@@ -188,6 +188,7 @@ pub(crate) fn settle(
             .and_then(|m| m.listener.as_ref())
             .and_then(|l| l.local_addr().ok()),
         channel_token: mine.as_ref().map_or(0, |m| m.token),
+        tuning: super::wire::tuning_digest(|k| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned())),
     };
     let words = card.encode().map_err(setup_error)?;
     let gathered = gather(&words).inspect_err(|_| removed(&mine))?;

@@ -251,7 +251,7 @@ pub(crate) fn compare_coll(
 
 // "HDOFFCD4": cards name the rank's host and its verification channel (see
 // [`super::channel`]), so ranks of another version must not be paired with these.
-const CARD_MAGIC: u64 = 0x4844_4f46_4643_4434; // "HDOFFCD4"
+const CARD_MAGIC: u64 = 0x4844_4f46_4643_4435; // "HDOFFCD5"
 /// Words in an encoded card.
 pub(crate) const CARD_WORDS: usize = 40;
 const PATH_AT: usize = 8;
@@ -299,6 +299,67 @@ pub(crate) struct Card {
     /// A random value a peer must prove it knows to connect to the channel (it travels only
     /// through NCCL's all-gather of the cards, never on the channel's connection).
     pub(crate) channel_token: u128,
+    /// A digest of the rank's [`TUNING`] variables ([`tuning_digest`]).
+    pub(crate) tuning: u64,
+}
+
+/// The `NCCL_*` variables from which each rank alone decides how a send or receive is cut into
+/// steps, chunks and channels, whether its memory is registered, and which path a collective
+/// takes (NCCL 2.28.3: `src/enqueue.cc`'s p2p planning, `src/init.cc`'s chunk sizes,
+/// `src/graph/paths.cc`'s channels per peer, the tuner's protocol and algorithm choice, the
+/// register and window switches). Two ranks that differ here cut one transfer differently, and
+/// NCCL, which assumes they agree, delivers wrong data or hangs; so every rank must set the
+/// same values (or leave them unset alike). Others, such as the network interface, may
+/// rightly differ between hosts.
+pub(crate) const TUNING: &[&str] = &[
+    "NCCL_ALGO",
+    "NCCL_BUFFSIZE",
+    "NCCL_CHUNK_SIZE",
+    "NCCL_CTA_POLICY",
+    "NCCL_CUMEM_ENABLE",
+    "NCCL_GRAPH_REGISTER",
+    "NCCL_LL128_BUFFSIZE",
+    "NCCL_LL_BUFFSIZE",
+    "NCCL_LOCAL_REGISTER",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_MAX_P2P_NCHANNELS",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MIN_P2P_NCHANNELS",
+    "NCCL_NCHANNELS_PER_NET_PEER",
+    "NCCL_NCHANNELS_PER_PEER",
+    "NCCL_P2P_DIRECT_DISABLE",
+    "NCCL_P2P_LL_THRESHOLD",
+    "NCCL_P2P_NET_CHUNKSIZE",
+    "NCCL_P2P_NVL_CHUNKSIZE",
+    "NCCL_P2P_PCI_CHUNKSIZE",
+    "NCCL_P2P_READ_ENABLE",
+    "NCCL_P2P_USE_CUDA_MEMCPY",
+    "NCCL_PROTO",
+    "NCCL_WIN_ENABLE",
+];
+
+/// A digest of the [`TUNING`] variables as `var` reads them (the process environment, where
+/// NCCL has also put what its configuration files set): FNV-1a over each name and value, an
+/// unset variable hashed apart from an empty one.
+pub(crate) fn tuning_digest(var: impl Fn(&str) -> Option<String>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for name in TUNING {
+        eat(name.as_bytes());
+        match var(name) {
+            Some(v) => {
+                eat(b"=");
+                eat(v.as_bytes());
+            }
+            None => eat(b"-"),
+        }
+        eat(b"\0");
+    }
+    h
 }
 
 fn split128(v: u128) -> [u64; 2] {
@@ -330,6 +391,7 @@ impl Card {
         w[3] = self.token;
         w[4] = u64::from(self.pid);
         w[5] = bytes.len() as u64;
+        w[6] = self.tuning;
         for (i, chunk) in bytes.chunks(8).enumerate() {
             let mut b = [0u8; 8];
             b[..chunk.len()].copy_from_slice(chunk);
@@ -399,6 +461,7 @@ impl Card {
             },
             addr,
             channel_token: join128(&w[h + 3..h + 5]),
+            tuning: w[6],
         })
     }
 }
@@ -416,6 +479,14 @@ pub(crate) fn check_cards(me: usize, cards: &[Card]) -> Result<(), String> {
                 c.rank, c.world
             ));
         }
+    }
+    if let Some(r) = (0..world).find(|&r| cards[r].tuning != cards[me].tuning) {
+        return Err(format!(
+            "rank {r}'s NCCL tuning variables differ from rank {me}'s: every rank must set the same \
+             values of {} (or leave them unset alike), or NCCL cuts a transfer differently on the \
+             two sides and delivers wrong data or hangs",
+            TUNING.join(", ")
+        ));
     }
     let verified: Vec<usize> = (0..world).filter(|&r| cards[r].verified).collect();
     if !verified.is_empty() && verified.len() != world {
@@ -585,6 +656,7 @@ mod tests {
             },
             addr: Some("10.77.0.1:47001".parse().unwrap()),
             channel_token: u128::MAX - 5,
+            tuning: 0x5eed_0001,
         };
         assert_eq!(Card::decode(&c.encode().unwrap()).unwrap(), c);
         let e = Card::decode(&[1; CARD_WORDS]).unwrap_err();
@@ -612,6 +684,46 @@ mod tests {
             token: 1,
             pid: 1,
             ..Card::default()
+        }
+    }
+
+    #[test]
+    fn ranks_must_agree_on_nccls_tuning_variables() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        let none = tuning_digest(env(&[]));
+        let chunk = tuning_digest(env(&[("NCCL_P2P_NVL_CHUNKSIZE", "131072")]));
+        let empty = tuning_digest(env(&[("NCCL_P2P_NVL_CHUNKSIZE", "")]));
+        let other = tuning_digest(env(&[("NCCL_SOCKET_IFNAME", "eth1")]));
+        assert_ne!(none, chunk);
+        assert_ne!(none, empty, "an empty value is not an unset one");
+        assert_eq!(none, other, "the network interface may differ between hosts");
+        let with = |tuning| Card {
+            tuning,
+            ..card(0, 2, true)
+        };
+        let agree = [
+            with(chunk),
+            Card {
+                rank: 1,
+                ..with(chunk)
+            },
+        ];
+        assert_eq!(check_cards(0, &agree), Ok(()));
+        let differ = [
+            with(none),
+            Card {
+                rank: 1,
+                ..with(chunk)
+            },
+        ];
+        for me in 0..2 {
+            let e = check_cards(me, &differ).unwrap_err();
+            assert!(
+                e.contains("tuning variables differ") && e.contains("NCCL_P2P_NVL_CHUNKSIZE"),
+                "{e}"
+            );
         }
     }
 
