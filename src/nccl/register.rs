@@ -460,8 +460,8 @@ impl Communicator {
     /// Every send or receive and every collective that uses the registered memory has its
     /// counterparts on the peers in memory registered with their communicators too, and every
     /// transfer over unregistered memory has unregistered counterparts. NCCL's registered
-    /// send/receive path ("We require users registering buffers on both sides") (`addP2pToPlan`
-    /// in NCCL 2.28.3's `src/enqueue.cc`) and does not check it: a side registered alone moves
+    /// send/receive path needs both sides registered ("We require users registering buffers on
+    /// both sides", `addP2pToPlan` in NCCL 2.28.3's `src/enqueue.cc`) and does not check it: a side registered alone moves
     /// the transfer in other steps than its peer (`src/device/sendrecv.h`), so the connection's
     /// step counts drift and later transfers deliver wrong data or hang. Verification compares
     /// each operation's count, type and order, not yet whether its memory is registered.
