@@ -55,6 +55,11 @@ fn main() {
         ),
         g.trial("events_time_gpu_work", 1, events_time_gpu_work),
         g.trial(
+            "blocking_host_copy_on_another_stream_inside_a_capture_is_bounded",
+            1,
+            blocking_copy_inside_a_capture,
+        ),
+        g.trial(
             "zero_length_and_mismatched_lengths",
             1,
             zero_length_and_mismatched_lengths,
@@ -368,4 +373,48 @@ fn buffer_of_another_device_is_rejected() -> Result<(), Failed> {
         other => return Err(format!("a device-0 buffer on a device-1 stream gave {other:?}").into()),
     }
     assert_all_eq("x", &x.to_vec(&s0)?, |i| produced_value(i, 0))
+}
+
+/// A blocking host copy on another stream, made by the thread that is capturing a graph
+/// (thread-local capture mode): either it runs and returns the right values, or it is a typed
+/// error at once; never a wait of a minute that ends the process (the copy's wait gives up on
+/// CUDA errors that persist). Run in a child thread, bounded at 10 s.
+fn blocking_copy_inside_a_capture() -> Result<(), Failed> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = (|| -> Result<String, String> {
+            let e = |e: Error| e.to_string();
+            let dev = Device::new(0).map_err(e)?;
+            let (s, other) = (Stream::new(&dev).map_err(e)?, Stream::new(&dev).map_err(e)?);
+            let y = DeviceBuffer::from_slice(&other, &[3.0f32; 1024]).map_err(e)?;
+            other.synchronize().map_err(e)?;
+            let mut seen = None;
+            let captured = Graph::capture(&s, |_| {
+                seen = Some(y.to_vec(&other));
+                Ok(())
+            });
+            let seen = seen.ok_or("the capture's body did not run")?;
+            Ok(format!(
+                "to_vec inside the capture: {seen:?}; the capture: {}",
+                match &captured {
+                    Ok(_) => "made".to_string(),
+                    Err(err) => err.to_string(),
+                }
+            ))
+            .and_then(|m| match seen {
+                Ok(v) if v.iter().all(|&x| x == 3.0) => Ok(m),
+                Ok(_) => Err(format!("wrong values: {m}")),
+                Err(_) => Ok(m),
+            })
+        })();
+        let _ = tx.send(r);
+    });
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(Ok(m)) => {
+            println!("{m}");
+            Ok(())
+        }
+        Ok(Err(m)) => Err(m.into()),
+        Err(_) => Err("a blocking host copy inside a capture did not return within 10 s".into()),
+    }
 }
