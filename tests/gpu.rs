@@ -394,8 +394,12 @@ fn blocking_copy_inside_a_capture() -> Result<(), Failed> {
                 Ok(())
             });
             let seen = seen.ok_or("the capture's body did not run")?;
+            let what = match &seen {
+                Ok(v) => format!("{} values", v.len()),
+                Err(err) => err.to_string(),
+            };
             Ok(format!(
-                "to_vec inside the capture: {seen:?}; the capture: {}",
+                "to_vec inside the capture: {what}; the capture: {}",
                 match &captured {
                     Ok(_) => "made".to_string(),
                     Err(err) => err.to_string(),
