@@ -99,6 +99,19 @@ if ! skip bench && [ -x .device/benches/graphs ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench graphs --mode $m")
   done
 fi
+# The verification channel's round trip on this host's CPUs (no GPU), beside shared files.
+if ! skip bench && [ -x .device/benches/verify_channel ]; then
+  say "== bench verify_channel"
+  .device/benches/verify_channel 2>&1 | tee -a "$log"
+  [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench verify_channel")
+fi
+# Registered memory with NCCL's registration log: which paths NCCL reports taking.
+if [ -x .device/tests/registered ]; then
+  say "== registered memory, NCCL_DEBUG=INFO (REG, ALLOC)"
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=REG,ALLOC .device/tests/registered --test-threads 1 --nocapture >"$out/registered-nccl.log" 2>&1
+  [ $? = 0 ] || failed+=("registered with NCCL_DEBUG")
+  grep -E 'registering|REG|Registered|register' "$out/registered-nccl.log" | head -30 | tee -a "$log"
+fi
 tar -cf "$out/bench.tar" -C "$bench" .
 
 if ! skip bypass && [ -d .device/bypass ]; then
