@@ -139,6 +139,35 @@ impl CaptureState {
     }
 }
 
+thread_local! {
+    /// How many capture bodies ([`crate::Graph::capture`]) the calling thread is running.
+    static CAPTURING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks the calling thread as running a capture's body while it lives. CUDA captures in its
+/// thread-local mode, in which it refuses a capturing thread's host waits for as long as the
+/// capture lasts: a blocking host copy there, on any stream, is refused at once instead
+/// ([`capturing_here`]).
+pub(crate) struct CapturingHere(());
+
+impl CapturingHere {
+    pub(crate) fn enter() -> CapturingHere {
+        CAPTURING.with(|c| c.set(c.get() + 1));
+        CapturingHere(())
+    }
+}
+
+impl Drop for CapturingHere {
+    fn drop(&mut self) {
+        CAPTURING.with(|c| c.set(c.get() - 1));
+    }
+}
+
+/// Whether the calling thread is running a capture's body.
+pub(crate) fn capturing_here() -> bool {
+    CAPTURING.with(|c| c.get() > 0)
+}
+
 /// Why an NCCL operation of another communicator is refused in a capture.
 pub(crate) const NOT_THE_GRAPHS: &str = "an NCCL operation in a graph must use the communicator \
     given to Graph::capture_with (make one for the graph, e.g. with Communicator::split, and \

@@ -255,7 +255,10 @@ impl Graph {
             });
         }
         let capturing = Capturing { stream, ended: false };
-        let ran = body(stream, comm.as_ref());
+        let ran = {
+            let _here = engine::CapturingHere::enter();
+            body(stream, comm.as_ref())
+        };
         let (graph, state) = capturing.end();
         let graph = match (ran, graph) {
             (Ok(()), Ok(g)) => g,

@@ -481,6 +481,13 @@ fn host_copy(
     what: &str,
     copy: impl FnOnce(crate::sys::cudart::cudaStream_t) -> Result<()>,
 ) -> Result<()> {
+    if engine::capturing_here() {
+        return Err(engine::capture_error(&format!(
+            "{what} blocks the host, which CUDA refuses on a thread that is capturing a graph, \
+             whatever the stream, for as long as the capture lasts: do it before or after the \
+             capture"
+        )));
+    }
     let uses = [TrackedUse::on(stream, tracked, access)];
     engine::check_devices(&uses)?;
     let mut after: Option<Arc<PooledEvent>> = None;
