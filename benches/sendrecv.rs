@@ -398,13 +398,14 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
         call_costs(&s)?;
     }
     if reports {
-        if let Some([v, u, r]) = overhead {
+        if let Some([v, u, r, re]) = overhead {
             println!(
-                "# host overhead, {} calls of one send+receive of {} B each (enqueue only, GPU waited for outside the timing): verified {v:.0} ns, unverified {u:.0} ns, raw {r:.0} ns; verified - raw {:.0} ns, verified - unverified {:.0} ns per call",
+                "# host overhead, {} calls of one send+receive of {} B each (enqueue only, GPU waited for outside the timing): verified {v:.0} ns, unverified {u:.0} ns, raw {r:.0} ns, raw and then one cudaEventRecord on the sending stream (what tracking adds to the GPU calls) {re:.0} ns; verified - raw {:.0} ns, verified - unverified {:.0} ns, unverified - (raw + record) {:.0} ns per call",
                 o.overhead_calls,
                 size,
                 v - r,
-                v - u
+                v - u,
+                u - re
             );
         }
         std::fs::write(&o.csv, harness::csv("send_recv", &o.dtype, &rows, 1.0))
@@ -426,22 +427,35 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
 /// CPU time to enqueue one send+receive (one element), each way: batches of 100 calls,
 /// the GPU waited for between batches, outside the timing. Median of the batches. Not in procs
 /// mode, where each process enqueues only half of the pair.
-fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::Result<Option<[f64; 3]>> {
+fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::Result<Option<[f64; 4]>> {
     if s.role != Role::Both || o.overhead_calls == 0 {
         return Ok(None);
     }
     const BATCH: usize = 100;
-    let mut ns = [Vec::new(), Vec::new(), Vec::new()];
-    for r in 0..3 * o.overhead_calls.div_ceil(BATCH) {
-        let way = Way::ALL[r % 3];
+    // The fourth way: raw, then one event recorded on the sending stream, as tracking records
+    // one after a group.
+    s.send_s.device().set_current()?;
+    let ev = handoff::result::event_create(false)?;
+    let mut ns = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+    for r in 0..4 * o.overhead_calls.div_ceil(BATCH) {
+        let i = r % 4;
         let t = Instant::now();
         for _ in 0..BATCH {
-            s.call(way, b, 1)?;
+            match Way::ALL.get(i) {
+                Some(&way) => s.call(way, b, 1)?,
+                None => {
+                    s.call(Way::Raw, b, 1)?;
+                    // SAFETY: `ev` is live, of the sending stream's device.
+                    unsafe { handoff::result::event_record(ev, s.send_s.as_raw()) }?;
+                }
+            }
         }
-        ns[way as usize].push(t.elapsed().as_nanos() as f64 / BATCH as f64);
+        ns[i].push(t.elapsed().as_nanos() as f64 / BATCH as f64);
         s.send_s.synchronize()?;
         s.recv_s.synchronize()?;
     }
+    // SAFETY: recorded work has completed (both streams synchronized); not used again.
+    unsafe { handoff::result::event_destroy(ev) }?;
     Ok(Some(ns.map(harness::median)))
 }
 
