@@ -92,9 +92,10 @@ pub(crate) fn byte_len<T>(len: usize) -> Result<usize> {
 }
 
 impl<T: Pod> DeviceBuffer<T> {
-    /// Allocates `len` elements on `stream`'s device without initialising them: the contents
-    /// are whatever the memory held (any bit pattern is a valid `T`, as `T: Pod`).
-    fn alloc(stream: &Stream, len: usize) -> Result<Self> {
+    /// Allocates `len` elements of `alloc`'s kind on `stream`'s device without initialising
+    /// them: the contents are whatever the memory held (any bit pattern is a valid `T`, as
+    /// `T: Pod`).
+    fn alloc(stream: &Stream, len: usize, alloc: Alloc) -> Result<Self> {
         let bytes = byte_len::<T>(len)?;
         let device = stream.device().clone();
         // Length 0 until the memory exists, so that an early return frees nothing.
@@ -103,50 +104,23 @@ impl<T: Pod> DeviceBuffer<T> {
             len: 0,
             tracked: Tracked::new(&device),
             device,
-            alloc: Alloc::Pool,
+            alloc,
             registrations: Registrations::default(),
             _marker: PhantomData,
         };
         if bytes > 0 {
-            // The allocation is a stream-ordered write: the memory exists for other streams only
-            // once they have waited for it, which tracking then makes them do.
-            // Captured, cudaMallocAsync would make memory that exists only while the graph
-            // runs: refused in a capture.
+            // The allocation is recorded as a write on `stream`: pool memory is stream-ordered
+            // and exists for other streams only once they have waited for it, which tracking
+            // then makes them do; ncclMemAlloc's is usable by every stream once it returns, and
+            // goes the same way. Neither can be captured (cudaMallocAsync would make memory
+            // that exists only while the graph runs): refused in a capture.
             let work = crate::engine::Work::Uncapturable {
                 what: "allocating a buffer",
             };
-            let ptr = stream.enqueue_work(&[(&buf.tracked, Access::Write)], work, |s| {
+            let ptr = stream.enqueue_work(&[(&buf.tracked, Access::Write)], work, |s| match alloc {
                 // SAFETY: the stream is live and its device is current (enqueue set it).
-                unsafe { cu::malloc_async(bytes, s) }
-            })?;
-            buf.ptr = ptr.cast::<T>();
-        }
-        buf.len = len;
-        Ok(buf)
-    }
-
-    /// Allocates `len` elements with `ncclMemAlloc` on `stream`'s device, uninitialised (any bit
-    /// pattern is a valid `T`).
-    fn alloc_nccl(stream: &Stream, len: usize) -> Result<Self> {
-        let bytes = byte_len::<T>(len)?;
-        let device = stream.device().clone();
-        let mut buf = DeviceBuffer {
-            ptr: std::ptr::NonNull::<T>::dangling().as_ptr(),
-            len: 0,
-            tracked: Tracked::new(&device),
-            device,
-            alloc: Alloc::Nccl,
-            registrations: Registrations::default(),
-            _marker: PhantomData,
-        };
-        if bytes > 0 {
-            // Usable by every stream once it returns; recorded as a write on `stream` so that
-            // it goes the way of `alloc` (refused in a capture, which cannot hold it).
-            let work = crate::engine::Work::Uncapturable {
-                what: "allocating a buffer",
-            };
-            let ptr = stream.enqueue_work(&[(&buf.tracked, Access::Write)], work, |_| {
-                crate::nccl::memory::alloc(stream.device(), bytes)
+                Alloc::Pool => unsafe { cu::malloc_async(bytes, s) },
+                Alloc::Nccl => crate::nccl::memory::alloc(stream.device(), bytes),
             })?;
             buf.ptr = ptr.cast::<T>();
         }
@@ -166,7 +140,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// As [`DeviceBuffer::zeros`]; [`Error::Unsupported`] when the loaded NCCL lacks
     /// `ncclMemAlloc`; NCCL errors.
     pub fn zeros_nccl(stream: &Stream, len: usize) -> Result<Self> {
-        let mut buf = Self::alloc_nccl(stream, len)?;
+        let mut buf = Self::alloc(stream, len, Alloc::Nccl)?;
         buf.memset_zero(stream)?;
         Ok(buf)
     }
@@ -177,7 +151,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::zeros_nccl`] and [`DeviceBuffer::from_slice`].
     pub fn from_slice_nccl(stream: &Stream, data: &[T]) -> Result<Self> {
-        let mut buf = Self::alloc_nccl(stream, data.len())?;
+        let mut buf = Self::alloc(stream, data.len(), Alloc::Nccl)?;
         buf.copy_from_slice(stream, data)?;
         Ok(buf)
     }
@@ -193,7 +167,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// # Errors
     /// [`Error::InvalidArgument`] if the size overflows; CUDA errors (out of memory).
     pub fn zeros(stream: &Stream, len: usize) -> Result<Self> {
-        let mut buf = Self::alloc(stream, len)?;
+        let mut buf = Self::alloc(stream, len, Alloc::Pool)?;
         buf.memset_zero(stream)?;
         Ok(buf)
     }
@@ -204,7 +178,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::zeros`] and [`ViewMut::copy_from_slice`](crate::ViewMut::copy_from_slice).
     pub fn from_slice(stream: &Stream, data: &[T]) -> Result<Self> {
-        let mut buf = Self::alloc(stream, data.len())?;
+        let mut buf = Self::alloc(stream, data.len(), Alloc::Pool)?;
         buf.copy_from_slice(stream, data)?;
         Ok(buf)
     }
