@@ -1,6 +1,7 @@
 //! GPUs: [`Device`], and the per-device state the safe API shares (an event pool and the stream
 //! on which buffers are freed).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use once_cell::sync::OnceCell;
@@ -37,6 +38,8 @@ pub(crate) struct DeviceInner {
     pub(crate) lifecycle: cudaStream_t,
     /// Idle events, reused for tracking so that the hot path creates none.
     events: Mutex<Vec<cudaEvent_t>>,
+    /// How many events the pool has made: its capacity, at least.
+    made_events: AtomicUsize,
     /// Streams whose `Stream` was dropped, reused by `Stream::new`. Dropping a `Stream` parks
     /// its handle here instead of calling `cudaStreamDestroy`, which was seen to block until
     /// the stream's queued work finished (CUDA 13.0, driver 580) although its documentation
@@ -84,6 +87,13 @@ pub(crate) struct PooledEvent {
     /// The communicator whose work this event follows, asked at a host read whether that work
     /// may have been cut short since (an NCCL error its watchdog has not yet seen).
     origin: OnceCell<Arc<dyn Origin>>,
+    /// Recorded by a graph's replays on the GPU (an event record node, see [`crate::Graph`]),
+    /// not by the host: it stands for the latest replay launched so far, which changes at each
+    /// launch. Every holder that keeps it past a launch must mean "the latest replay" (the
+    /// trackers and a stream's last work do: each launch stores it again); a list that must
+    /// mean one fixed point of a stream (what an NCCL operation waits behind, for the
+    /// watchdog's deadline) never holds it (see `engine::enqueue`).
+    replayed: bool,
 }
 
 /// Where a tracking event's work came from, when something can cut that work short.
@@ -101,6 +111,11 @@ impl PooledEvent {
     /// Says which communicator's work this event follows.
     pub(crate) fn set_origin(&self, origin: Arc<dyn Origin>) {
         let _ = self.origin.set(origin);
+    }
+
+    /// Whether a graph's replays record this event (see `replayed`), not the host.
+    pub(crate) fn is_replayed(&self) -> bool {
+        self.replayed
     }
 
     /// Why the work before this event was cut short, if it was. Called once the event has
@@ -170,6 +185,7 @@ impl Device {
                 ordinal,
                 lifecycle,
                 events: Mutex::new(Vec::new()),
+                made_events: AtomicUsize::new(0),
                 streams: Mutex::new(Vec::new()),
             }),
         })
@@ -183,6 +199,7 @@ impl Device {
                 ordinal: 0,
                 lifecycle: std::ptr::null_mut(),
                 events: Mutex::new(Vec::new()),
+                made_events: AtomicUsize::new(0),
                 streams: Mutex::new(Vec::new()),
             }),
         }
@@ -249,30 +266,63 @@ impl Device {
     /// device must outlive the test without being dropped (its drop destroys pooled events).
     #[cfg(test)]
     pub(crate) fn fake_event(&self, raw: usize) -> Arc<PooledEvent> {
+        self.fake_event_for(raw, false)
+    }
+
+    /// [`Device::fake_event`] of a graph's replays (`PooledEvent::is_replayed`).
+    #[cfg(test)]
+    pub(crate) fn fake_replayed_event(&self, raw: usize) -> Arc<PooledEvent> {
+        self.fake_event_for(raw, true)
+    }
+
+    #[cfg(test)]
+    fn fake_event_for(&self, raw: usize, replayed: bool) -> Arc<PooledEvent> {
         Arc::new(PooledEvent {
             raw: raw as cudaEvent_t,
             device: self.inner.clone(),
             poison: OnceCell::new(),
             origin: OnceCell::new(),
+            replayed,
         })
     }
 
     /// A tracking event, from the pool or new.
     pub(crate) fn take_event(&self) -> Result<Arc<PooledEvent>> {
-        let pooled = self.inner.events.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let raw = match pooled {
+        self.take_event_for(false)
+    }
+
+    /// An event for a graph's replays to record (see `PooledEvent::replayed`), from the pool
+    /// or new. Back in the pool once the graph and every tracker let go: the graph's
+    /// executable is destroyed by then, so no launch records it again, and a later record by
+    /// the host overwrites the replays' as it overwrites any earlier record (each record,
+    /// a graph launch's included, captures its work when it is called).
+    pub(crate) fn take_replayed_event(&self) -> Result<Arc<PooledEvent>> {
+        self.take_event_for(true)
+    }
+
+    fn take_event_for(&self, replayed: bool) -> Result<Arc<PooledEvent>> {
+        let mut pool = self.inner.events.lock().unwrap_or_else(|p| p.into_inner());
+        let raw = match pool.pop() {
             Some(e) => e,
             None => {
                 // Events belong to the device current at creation: make sure it is this one.
                 self.set_current()?;
-                cu::event_create(false)?
+                let e = cu::event_create(false)?;
+                // Room in the pool for every event made, so that handing one back (on
+                // whichever thread lets go last) never allocates.
+                let made = self.inner.made_events.fetch_add(1, Ordering::Relaxed) + 1;
+                let room = made.saturating_sub(pool.len());
+                pool.reserve(room);
+                e
             }
         };
+        drop(pool);
         Ok(Arc::new(PooledEvent {
             raw,
             device: self.inner.clone(),
             poison: OnceCell::new(),
             origin: OnceCell::new(),
+            replayed,
         }))
     }
 }

@@ -18,7 +18,9 @@
 //!    group ("as if the NCCL group operation was posted on every stream", NCCL's CUDA stream
 //!    semantics) and the stream orders held here keep any other use of those streams wholly
 //!    before or after. If recording fails, the host waits for the stream instead, so no queued
-//!    use is left untracked; every record stream is handled even after an error.
+//!    use is left untracked; every record stream is handled even after an error. A graph
+//!    replay records nothing: its graph's event, which the replay records itself on the GPU,
+//!    is stored instead ([`enqueue_replay`]).
 //!
 //! On a stream handoff is capturing into a graph ([`crate::Graph`]), steps 3 and 5 give way to
 //! the capture branch: [`CaptureState::admit`] decides whether the work may enter, and its
@@ -379,6 +381,42 @@ pub(crate) fn enqueue<R>(
     uses: &[TrackedUse<'_>],
     work: Work<'_>,
     submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
+    recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
+) -> Result<R> {
+    enqueue_with(uses, work, None, submit, recorded)
+}
+
+/// How a graph replay is tracked (see [`crate::Graph`]): by the graph's own event, which the
+/// replay records on the GPU (an event record node at the end of the capture), so that the
+/// launch records nothing from the host.
+#[derive(Clone, Copy)]
+pub(crate) struct Replay<'e> {
+    /// The graph's event (`PooledEvent::is_replayed`): stored as the latest use of every
+    /// buffer of the replay, and as its stream's latest work.
+    pub(crate) event: &'e Arc<PooledEvent>,
+    /// Whether to record a host event after the replay as well (an NCCL graph's every few
+    /// launches): a fixed point of the stream, for the watchdog and the in-flight bound, which
+    /// must tell replays apart. It is what `recorded` gets; otherwise `recorded` gets `event`.
+    pub(crate) checkpoint: bool,
+}
+
+/// [`enqueue`] of a graph replay on one stream, tracked as `replay` says. Refused in a
+/// capture.
+pub(crate) fn enqueue_replay<R>(
+    uses: &[TrackedUse<'_>],
+    work: Work<'_>,
+    replay: Replay<'_>,
+    submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
+    recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
+) -> Result<R> {
+    enqueue_with(uses, work, Some(replay), submit, recorded)
+}
+
+fn enqueue_with<R>(
+    uses: &[TrackedUse<'_>],
+    work: Work<'_>,
+    replay: Option<Replay<'_>>,
+    submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
     mut recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
 ) -> Result<R> {
     let nccl = matches!(work, Work::Nccl { .. });
@@ -430,6 +468,9 @@ pub(crate) fn enqueue<R>(
         ));
     }
     if capturing {
+        if replay.is_some() {
+            return Err(not_capturable("launching a graph"));
+        }
         let state = held.get_mut(0).and_then(|h| h.as_mut()).expect("capturing");
         return capture(uses, work, state, submit);
     }
@@ -455,12 +496,19 @@ pub(crate) fn enqueue<R>(
         let sink = before.get_mut(index(u.record));
         u.stream.wait_for_conflicts(tracker(u.tracked), u.access, sink)?;
     }
+    if nccl {
+        exact_before(uses, &streams, &mut before, replay.map(|r| r.event))?;
+    }
     // The events to record after the work, taken before it is submitted: an event that cannot
     // be made fails the operation before anything is queued.
     let is_record = |s: &Stream| uses.iter().any(|u| std::ptr::eq(u.record, s));
     let mut events: Slots<Option<Arc<PooledEvent>>, 4> = Slots::default();
     for s in streams.iter() {
-        events.push(if is_record(s) {
+        let host_record = match replay {
+            None => true,
+            Some(r) => r.checkpoint,
+        };
+        events.push(if is_record(s) && host_record {
             Some(s.device().take_event()?)
         } else {
             None
@@ -474,10 +522,35 @@ pub(crate) fn enqueue<R>(
     let mut failed = None;
     let no_before = Before::default();
     for (i, s) in streams.iter().enumerate() {
+        let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, *s));
+        if let Some(r) = replay.filter(|_| is_record(s)) {
+            // Recorded by the replay itself, on the GPU: stored now, under the locks, with no
+            // call. Each launch stores it again, so wherever it is stored it means the latest
+            // replay (see `PooledEvent::replayed`).
+            for v in mine() {
+                let t = locked.get_mut(slot(v.tracked)).expect("locked");
+                t.record(v.stream.id(), v.access, r.event.clone());
+            }
+            s.note_recorded(r.event, nccl);
+            // The checkpoint, if one is due; without it (or if it cannot be recorded) the
+            // watchdog watches the replay through the graph's event, which is exact enough
+            // for it (see the watchdog's deadline over replays).
+            let watched = match events.get_mut(i).and_then(Option::take) {
+                Some(event) => match s.record_pooled(event) {
+                    Ok(event) => event,
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                        r.event.clone()
+                    }
+                },
+                None => r.event.clone(),
+            };
+            recorded(s, &watched, before.get(i).unwrap_or(&no_before));
+            continue;
+        }
         let Some(event) = events.get_mut(i).and_then(Option::take) else {
             continue;
         };
-        let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, *s));
         let stored = record_and_store(
             held.get(i).expect("held above"),
             || s.record_pooled(event),
@@ -523,6 +596,47 @@ pub(crate) fn enqueue<R>(
         (Ok(r), None) => Ok(r),
         (Err(e), _) | (Ok(_), Some(e)) => Err(e),
     }
+}
+
+/// Makes every [`Before`] list hold only fixed points of streams, as the watchdog's deadline
+/// needs (an operation's deadline counts from when its list has completed). A graph's event
+/// (`PooledEvent::is_replayed`) is not one: it stands for that graph's latest replay, and a
+/// replay launched later, perhaps behind this very operation, would hold the list back until
+/// after the operation itself: its deadline would never start. So:
+/// - `own`, the replayed graph's own event, is dropped: it is there as its stream's previous
+///   work, an earlier replay of the same graph, whose entry is in the same communicator's queue
+///   and older, and an entry's deadline starts only once it is the oldest, after that one was
+///   seen complete;
+/// - where another graph's event is in the list, the list is replaced by one event recorded now
+///   (after the waits, before the work) on each stream whose uses it covers: those complete
+///   exactly when everything the operation waits behind there has.
+fn exact_before(
+    uses: &[TrackedUse<'_>],
+    streams: &[&Stream],
+    before: &mut Slots<Before, 4>,
+    own: Option<&Arc<PooledEvent>>,
+) -> Result<()> {
+    let is_own = |e: &Arc<PooledEvent>| own.is_some_and(|o| Arc::ptr_eq(o, e));
+    for (i, r) in streams.iter().enumerate() {
+        let Some(b) = before.get_mut(i) else {
+            continue;
+        };
+        if b.iter().any(|e| e.is_replayed() && !is_own(e)) {
+            let mut marks = Before::default();
+            for s in streams {
+                if uses
+                    .iter()
+                    .any(|u| std::ptr::eq(u.record, *r) && std::ptr::eq(u.stream, *s))
+                {
+                    marks.push(s.record_event()?);
+                }
+            }
+            *b = marks;
+        } else if b.iter().any(is_own) {
+            *b = b.iter().filter(|e| !is_own(e)).cloned().collect();
+        }
+    }
+    Ok(())
 }
 
 /// The capture branch of [`enqueue`]: checks that the work may go into the graph, notes its uses

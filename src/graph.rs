@@ -10,8 +10,25 @@
 //!   on other streams in the same operation, NCCL on any communicator but the graph's own.
 //! - **Replays are tracked uses.** [`Graph::launch`] goes through the same engine as every
 //!   operation: the stream waits for the earlier uses each buffer's access conflicts with, and
-//!   one event after the replay is recorded as a use of every buffer. Host reads, other streams
+//!   one event after the replay is stored as a use of every buffer. Host reads, other streams
 //!   and the next replay order themselves around replays exactly as around eager work.
+//! - **The replay records its own event.** The capture ends with the graph's event recorded
+//!   into it as an external event node (`cudaEventRecordWithFlags(…, cudaEventRecordExternal)`),
+//!   after all its work, so every launch records that event again, with no host call: "each
+//!   launch of the graph will record event to capture execution of the node's dependencies"
+//!   (CUDA's `cudaGraphAddEventRecordNode`). The event therefore always stands for the latest
+//!   replay launched, and that is what each holder means by it: a launch stores it as the
+//!   latest use of every buffer of the graph, under their locks, and as its stream's latest
+//!   work, so a tracker that still holds it has the latest replay as that buffer's latest use
+//!   (a later use elsewhere would have replaced it). A wait on it is exact: `cudaStreamWaitEvent`
+//!   uses "the most recently captured state at the time of the API call, and \[is\] not affected
+//!   by later calls" (CUDA's `cudaEventRecord`), so a stream that waited for one replay is not
+//!   made to wait for a later one. A host wait that took the event before a later launch may
+//!   wait for that later replay too (more, never less; it is bounded as that replay is). What
+//!   must tell replays apart (the in-flight bound, the watchdog's deadline) uses the host event
+//!   an NCCL graph records after every fourth replay; the watchdog reads the graph's event as
+//!   "the latest replay" only, and no list of what an NCCL operation waits behind holds it
+//!   (see the engine).
 //! - **Buffers: the graph refers, the buffer owns.** A graph holds each buffer's tracker, not its
 //!   memory. Dropping a buffer frees the memory after every use queued so far (replays
 //!   included) and retires the tracker; a later replay of a graph that uses it is refused
@@ -55,12 +72,12 @@
 //! (`NCCL_GRAPH_MIXING_SUPPORT=0` turns that support off); handoff has not seen it (the tests
 //! launch two communicators' graphs from one thread), and cannot bound such a wait inside CUDA.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::device::{Device, Origin, PooledEvent};
-use crate::engine::{self, CaptureState, Keep, Tracked, TrackedUse, Work};
+use crate::engine::{self, CaptureState, Keep, Replay, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::nccl::Communicator;
 use crate::result as cu;
@@ -105,9 +122,17 @@ pub struct Graph {
     _keep: Vec<Keep>,
     /// The graph's own communicator, for graphs with NCCL operations. Dropped after `exec`.
     comm: Option<Communicator>,
-    /// Events after this graph's replays not yet seen complete, oldest first (NCCL graphs):
-    /// at most [`MAX_REPLAYS_IN_FLIGHT`].
-    in_flight: RefCell<VecDeque<Arc<PooledEvent>>>,
+    /// Recorded by every replay, on the GPU, as its last node (`cudaEventRecordExternal` at
+    /// the end of the capture): the tracking event of the latest replay launched, which a
+    /// launch stores as the latest use of the graph's buffers without recording anything.
+    replayed: Arc<PooledEvent>,
+    /// Replays launched so far (NCCL graphs), and how many of them are known complete.
+    launches: Cell<u64>,
+    completed: Cell<u64>,
+    /// Host events recorded after every [`CHECKPOINT`]th replay (NCCL graphs), not yet seen
+    /// complete, oldest first, each with the number of the replay it follows: fixed points of
+    /// the stream, which the graph's own event (always the latest replay) is not.
+    in_flight: RefCell<VecDeque<(u64, Arc<PooledEvent>)>>,
     /// For graphs with NCCL operations: what a replay's tracking event asks at a host read
     /// whether the replay was cut short (a replay's output depends on every other rank), made
     /// once for every replay.
@@ -119,6 +144,10 @@ pub struct Graph {
 /// before queueing another: its failure shows within one timeout of the replay that found no
 /// peer, and it does not fill the stream's queue until `cudaGraphLaunch` itself blocks.
 pub const MAX_REPLAYS_IN_FLIGHT: usize = 8;
+
+/// An NCCL graph's launches record a host event after every this many replays (a fixed point
+/// for the in-flight bound and the watchdog), and none after the others.
+const CHECKPOINT: u64 = 4;
 
 /// An instantiated graph, destroyed when the last holder lets go (CUDA frees one still running
 /// once it completes).
@@ -153,14 +182,33 @@ struct Capturing<'s> {
 }
 
 impl Capturing<'_> {
-    /// Ends the capture: the captured graph (or CUDA's error) and what the capture noted.
-    fn end(mut self) -> (Result<crate::sys::cudart::cudaGraph_t>, CaptureState) {
+    /// Ends the capture, with `last` (if given) recorded as the graph's last node, so that
+    /// every replay records it when all its work has completed: the captured graph (or CUDA's
+    /// error) and what the capture noted.
+    fn end(mut self, last: Option<&PooledEvent>) -> (Result<crate::sys::cudart::cudaGraph_t>, CaptureState) {
         self.ended = true;
         // Under the stream's order, so that no operation sees the capture state while CUDA no
         // longer captures (it would run untracked).
         let mut held = self.stream.order().hold();
+        // After every captured operation (all on this stream, or joined back into it), under
+        // the order: nothing comes between it and the end.
+        // SAFETY: the event is live and of the stream's device (taken from its pool); this
+        // thread is capturing the live stream.
+        let recorded = last.map_or(Ok(()), |e| unsafe {
+            cu::event_record_external(e.raw, self.stream.as_raw())
+        });
         // SAFETY: this thread began capturing the live stream in `Graph::capture_inner`.
         let graph = unsafe { cu::stream_end_capture(self.stream.as_raw()) };
+        let graph = match (recorded, graph) {
+            (Ok(()), graph) => graph,
+            (Err(e), graph) => {
+                if let Ok(g) = graph {
+                    // SAFETY: just captured, owned here, not instantiated.
+                    let _ = unsafe { cu::graph_destroy(g) };
+                }
+                Err(e)
+            }
+        };
         (graph, held.take().unwrap_or_default())
     }
 }
@@ -228,6 +276,7 @@ impl Graph {
         body: impl FnOnce(&Stream, Option<&Communicator>) -> Result<()>,
     ) -> Result<Graph> {
         stream.device().set_current()?;
+        let replayed = stream.device().take_replayed_event()?;
         {
             let mut state = stream.order().hold();
             if state.is_some() {
@@ -256,7 +305,7 @@ impl Graph {
         }
         let capturing = Capturing { stream, ended: false };
         let ran = body(stream, comm.as_ref());
-        let (graph, state) = capturing.end();
+        let (graph, state) = capturing.end(ran.is_ok().then_some(&*replayed));
         let graph = match (ran, graph) {
             (Ok(()), Ok(g)) => g,
             (ran, graph) => {
@@ -288,7 +337,12 @@ impl Graph {
             uses,
             _keep: state.keep,
             comm,
-            in_flight: RefCell::new(VecDeque::with_capacity(MAX_REPLAYS_IN_FLIGHT)),
+            replayed,
+            launches: Cell::new(0),
+            completed: Cell::new(0),
+            in_flight: RefCell::new(VecDeque::with_capacity(
+                MAX_REPLAYS_IN_FLIGHT / CHECKPOINT as usize + 1,
+            )),
             origin,
         })
     }
@@ -326,7 +380,11 @@ impl Graph {
                 // Still noted as the stream's latest work (see `Stream::enqueue_work`).
                 return stream.enqueue_work(&[], work, launch);
             }
-            return engine::enqueue(&uses, work, |_| launch(stream.as_raw()), |_, _, _| {});
+            let replay = Replay {
+                event: &self.replayed,
+                checkpoint: false,
+            };
+            return engine::enqueue_replay(&uses, work, replay, |_| launch(stream.as_raw()), |_, _, _| {});
         };
         if stream.id() != self.captured_on {
             return Err(Error::InvalidArgument(
@@ -337,9 +395,18 @@ impl Graph {
         }
         self.bound_in_flight(comm)?;
         let key = [comm.key()];
-        engine::enqueue(
+        let n = self.launches.get() + 1;
+        // Counted whatever happens below: a replay counted but not launched only makes the
+        // in-flight bound wait sooner.
+        self.launches.set(n);
+        let replay = Replay {
+            event: &self.replayed,
+            checkpoint: n.is_multiple_of(CHECKPOINT),
+        };
+        engine::enqueue_replay(
             &uses,
             Work::Nccl { comms: &key },
+            replay,
             |current| {
                 comm.check_usable()?;
                 // A graph of kernels is launched as CUDA work is, on the current device.
@@ -355,44 +422,56 @@ impl Graph {
             |_, event, before| {
                 let origin = self.origin.as_ref().expect("made with the communicator");
                 comm.note_pending_from(event, before, origin);
-                self.in_flight.borrow_mut().push_back(event.clone());
+                if !event.is_replayed() {
+                    self.in_flight.borrow_mut().push_back((n, event.clone()));
+                }
             },
         )
     }
 
-    /// With [`MAX_REPLAYS_IN_FLIGHT`] replays queued, forgets those seen complete, and waits for
-    /// the oldest if none is; below that, asks nothing. The replays run one after another on
-    /// the one stream the graph replays on, so the newest complete means all are: it is asked
-    /// first. The wait has no deadline of its own: the communicator's watchdog counts one for
-    /// that replay from when it could start, as for any NCCL work, and past it aborts the
-    /// communicator, which ends the replay (and this wait, with the abort's error).
+    /// With [`MAX_REPLAYS_IN_FLIGHT`] replays launched and not known complete, finds out which
+    /// have completed, and if none of them has, waits for the oldest checkpoint; below that,
+    /// asks nothing. The replays run one after another on the one stream the graph replays on,
+    /// so the latest complete means all are: the graph's own event, which always stands for the
+    /// latest replay, is asked first, then the checkpoints, oldest first. Checkpoints come
+    /// every [`CHECKPOINT`] replays, so with 8 not known complete the oldest of them is at most
+    /// 7 replays back; once it has completed, at most 7 are in flight. The wait has no deadline
+    /// of its own: the communicator's watchdog counts one for those replays, as for any NCCL
+    /// work, and past it aborts the communicator, which ends them (and this wait, with the
+    /// abort's error).
     fn bound_in_flight(&self, comm: &Communicator) -> Result<()> {
+        let launched = self.launches.get();
+        if launched - self.completed.get() < MAX_REPLAYS_IN_FLIGHT as u64 {
+            return Ok(());
+        }
         let mut in_flight = self.in_flight.borrow_mut();
-        if in_flight.len() < MAX_REPLAYS_IN_FLIGHT {
-            return Ok(());
-        }
-        let newest = in_flight.back().expect("full");
         // SAFETY: the event is kept alive by the Arc.
-        if unsafe { cu::event_query(newest.raw) }? {
+        if unsafe { cu::event_query(self.replayed.raw) }? {
             in_flight.clear();
+            self.completed.set(launched);
             return Ok(());
         }
-        while let Some(oldest) = in_flight.front() {
+        while let Some((n, oldest)) = in_flight.front() {
             // SAFETY: the event is kept alive by the Arc.
             if !unsafe { cu::event_query(oldest.raw) }? {
                 break;
             }
+            self.completed.set(*n);
             in_flight.pop_front();
         }
-        if in_flight.len() < MAX_REPLAYS_IN_FLIGHT {
+        if launched - self.completed.get() < MAX_REPLAYS_IN_FLIGHT as u64 {
             return Ok(());
         }
-        let oldest = in_flight.pop_front().expect("full");
+        // No checkpoint (one that could not be recorded): the latest replay.
+        let (n, oldest) = in_flight
+            .pop_front()
+            .unwrap_or_else(|| (launched, self.replayed.clone()));
         // SAFETY: as above.
         while !unsafe { cu::event_query(oldest.raw) }? {
             comm.check_usable()?;
             std::thread::sleep(std::time::Duration::from_micros(50));
         }
+        self.completed.set(n);
         Ok(())
     }
 

@@ -429,15 +429,12 @@ fn kernel_graph(stubs: &Stubs) -> Result<(), Failed> {
     check("graph launch (one kernel)", &got, &KERNEL_GRAPH)
 }
 
-/// The launch and one tracking event after it; the current device, asked. One allocation: the
-/// tracking event's `Arc`.
+/// The launch alone, and the current device, asked: the replay records the graph's own
+/// tracking event itself (an event record node), which the launch stores (an `Arc` clone):
+/// no event record, no allocation.
 const KERNEL_GRAPH: Expected = Expected {
-    calls: &[
-        ("cudaEventRecord", OPS),
-        ("cudaGetDevice", OPS),
-        ("cudaGraphLaunch", OPS),
-    ],
-    allocs: OPS,
+    calls: &[("cudaGetDevice", OPS), ("cudaGraphLaunch", OPS)],
+    allocs: 0,
 };
 
 /// A replay of a graph of one self send+receive group on the graph's own communicator.
@@ -459,17 +456,53 @@ fn nccl_graph(stubs: &Stubs) -> Result<(), Failed> {
     check("graph launch (self send+receive)", &got, &NCCL_GRAPH)
 }
 
-/// The launch and one tracking event after it; the current device, asked; the in-flight bound, which asks the newest replay's event only once 8 replays are in flight
-/// (every 8th launch here, where each is seen complete). One allocation: the event's `Arc` (the
-/// replay's origin is the graph's, made at capture).
+/// The launch, and the current device, asked; the graph's own event, recorded by the replay,
+/// stored with no call; a host event (a fixed point for the watchdog and the in-flight bound)
+/// after every 4th replay, and its `Arc`, the only allocation; the in-flight bound, which asks
+/// the graph's event (the latest replay) only once 8 replays are not known complete (every 8th
+/// launch here, where each is seen complete). The replay's origin is the graph's, made at
+/// capture.
 const NCCL_GRAPH: Expected = Expected {
     calls: &[
         ("cudaEventQuery", OPS / 8),
-        ("cudaEventRecord", OPS),
+        ("cudaEventRecord", OPS / 4),
         ("cudaGetDevice", OPS),
         ("cudaGraphLaunch", OPS),
     ],
-    allocs: OPS,
+    allocs: OPS / 4,
+};
+
+/// An all_reduce on a stream whose previous work is a kernel graph's replay (the graph's event,
+/// the latest replay, is the stream's last work).
+fn all_reduce_after_a_replay(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let comm = &Communicator::init_all(std::slice::from_ref(&dev))?[0];
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let mut z = DeviceBuffer::<f32>::zeros(&s, 4)?;
+    let graph = Graph::capture(&s, |s| kernels::produce(s, &mut z, 1))?;
+    let got = measure(stubs, Watched::WhileRunning, |_| {
+        graph.launch(&s)?;
+        comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
+    });
+    check("graph launch then all_reduce", &got, &REPLAY_THEN_ALL_REDUCE)
+}
+
+/// The replay as [`KERNEL_GRAPH`] and the all_reduce as [`ALL_REDUCE`], and one event more,
+/// recorded before the all_reduce, with its `Arc`: the watchdog's deadline for the all_reduce
+/// counts from that fixed point, never from the graph's event, which a later replay (perhaps
+/// waiting behind the all_reduce) would record again.
+const REPLAY_THEN_ALL_REDUCE: Expected = Expected {
+    calls: &[
+        ("cudaEventRecord", 2 * OPS),
+        ("cudaGetDevice", OPS),
+        ("cudaGraphLaunch", OPS),
+        ("ncclAllReduce", OPS),
+        ("ncclGroupEnd", OPS),
+        ("ncclGroupStart", OPS),
+    ],
+    allocs: 2 * OPS,
 };
 
 /// On two (stub) devices: a kernel launch makes its device current when another is (and asks
@@ -709,6 +742,7 @@ fn main() {
         trial("kernels_produce", produce),
         trial("kernel_graph_launch", kernel_graph),
         trial("nccl_graph_launch", nccl_graph),
+        trial("all_reduce_after_a_replay", all_reduce_after_a_replay),
         trial("watchdog_queries", watchdog_queries),
         trial("two_devices", two_devices),
         trial("failed_record_after_nccl_work", failed_record_after_nccl_work),

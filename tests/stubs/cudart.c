@@ -89,6 +89,13 @@ err_t cudaEventRecord(void *e, struct stream *s) {
     while (n > 0 && !atomic_compare_exchange_weak(&records_to_fail, &n, n - 1)) {}
     return n > 0 ? 2 : OK;
 }
+/* Only inside a capture, as CUDA's external record (flag 1); the graph's launches then record
+ * the event again with no call of their own. */
+err_t cudaEventRecordWithFlags(void *e, struct stream *s, unsigned flags) {
+    COUNT(); (void)e;
+    if (flags == 1 && !(s && s->capturing)) return ERR_ILLEGAL_STATE;
+    return OK;
+}
 err_t cudaEventQuery(void *e) { COUNT(); (void)e; return atomic_load(&query_rc); }
 err_t cudaEventSynchronize(void *e) { COUNT(); (void)e; return OK; }
 err_t cudaEventElapsedTime(float *ms, void *a, void *b) { COUNT(); (void)a; (void)b; *ms = 0; return OK; }
