@@ -6,8 +6,19 @@
 //!   it neither waits for nor records tracking events (nothing runs yet), and each buffer it
 //!   touches is noted with the strongest access the capture made of it. What a graph cannot hold
 //!   is refused with [`Error::Capture`], nothing queued: allocation, copies from or to host
-//!   slices and pinned buffers (the host touches those outside stream order), user events, work
-//!   on other streams in the same operation, NCCL on any communicator but the graph's own.
+//!   slices and pinned buffers (the host touches those outside stream order), waits for events
+//!   recorded outside the capture, work spanning the capture's streams and others, NCCL on any
+//!   communicator but the graph's own.
+//! - **Several streams.** A stream that waits for an event recorded inside the capture joins
+//!   it (CUDA's cross-stream capture; handoff marks the stream under its order lock and the
+//!   event under its own, held across the record and the wait, so handoff's view is CUDA's).
+//!   Uses inside the capture are tracked among the capture's streams by the same rule as eager
+//!   ones, with events recorded into the capture (edges of the graph, no nodes), so the graph
+//!   orders its own conflicting work. At the end every joined stream is joined back into the
+//!   captured one (an event recorded there, waited for by the captured stream), then the
+//!   graph's event is recorded: a replay is one operation on the captured stream, covering all
+//!   of it. A joined stream's handle dropped during the capture is parked only after it (CUDA
+//!   captures it until then).
 //! - **Replays are tracked uses.** [`Graph::launch`] goes through the same engine as every
 //!   operation: the stream waits for the earlier uses each buffer's access conflicts with, and
 //!   one event after the replay is stored as a use of every buffer. Host reads, other streams
@@ -77,7 +88,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::device::{Device, Origin, PooledEvent};
-use crate::engine::{self, CaptureState, Keep, Replay, Tracked, TrackedUse, Work};
+use crate::engine::{self, CaptureState, Captured, Keep, Replay, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::nccl::Communicator;
 use crate::result as cu;
@@ -185,17 +196,46 @@ impl Capturing<'_> {
     /// Ends the capture, with `last` (if given) recorded as the graph's last node, so that
     /// every replay records it when all its work has completed: the captured graph (or CUDA's
     /// error) and what the capture noted.
-    fn end(mut self, last: Option<&PooledEvent>) -> (Result<crate::sys::cudart::cudaGraph_t>, CaptureState) {
+    fn end(mut self, last: Option<&PooledEvent>) -> (Result<crate::sys::cudart::cudaGraph_t>, Captured) {
         self.ended = true;
-        // Under the stream's order, so that no operation sees the capture state while CUDA no
-        // longer captures (it would run untracked).
+        self.finish(last)
+    }
+
+    /// Joins every stream joined to the capture back into the one it began on (after all their
+    /// work), records `last` there, ends the capture, then clears the capture state of every
+    /// stream of it. The end is under the stream's order; the joined streams' states are
+    /// cleared after it, each under its own order alone (no two stream orders are held at
+    /// once, so no lock order is needed): until then another thread's work there is refused,
+    /// and the capture thread is here, so no operation sees a capture that CUDA does not
+    /// have, nor the other way round.
+    fn finish(&self, last: Option<&PooledEvent>) -> (Result<crate::sys::cudart::cudaGraph_t>, Captured) {
         let mut held = self.stream.order().hold();
-        // After every captured operation (all on this stream, or joined back into it), under
-        // the order: nothing comes between it and the end.
-        // SAFETY: the event is live and of the stream's device (taken from its pool); this
-        // thread is capturing the live stream.
-        let recorded = last.map_or(Ok(()), |e| unsafe {
-            cu::event_record_external(e.raw, self.stream.as_raw())
+        let state = held.clone().unwrap_or_default();
+        let mut captured = state.lock();
+        let mut joined = Ok(());
+        let mut joins = Vec::with_capacity(captured.forked.len());
+        for f in &captured.forked {
+            let join = self.stream.device().take_event().and_then(|e| {
+                // SAFETY: the fork's handle is live (its stream, or parked only after this),
+                // of this device, and captured by this thread; the event is the pool's.
+                unsafe { cu::event_record(e.raw, f.raw) }?;
+                // SAFETY: as above; the capture's stream is live and captured here.
+                unsafe { cu::stream_wait_event(self.stream.as_raw(), e.raw) }?;
+                Ok(e)
+            });
+            match join {
+                Ok(e) => joins.push(e),
+                Err(e) => joined = joined.and(Err(e)),
+            }
+        }
+        // After every captured operation (on this stream, or joined back into it), under the
+        // order: nothing comes between it and the end.
+        let recorded = joined.and_then(|()| {
+            last.map_or(Ok(()), |e| {
+                // SAFETY: the event is live and of the stream's device (taken from its pool);
+                // this thread is capturing the live stream.
+                unsafe { cu::event_record_external(e.raw, self.stream.as_raw()) }
+            })
         });
         // SAFETY: this thread began capturing the live stream in `Graph::capture_inner`.
         let graph = unsafe { cu::stream_end_capture(self.stream.as_raw()) };
@@ -209,22 +249,32 @@ impl Capturing<'_> {
                 Err(e)
             }
         };
-        (graph, held.take().unwrap_or_default())
+        let out = std::mem::take(&mut *captured);
+        captured.ended = true;
+        drop(captured);
+        held.take();
+        drop(held);
+        for f in &out.forked {
+            let mut theirs = f.order.hold();
+            if theirs.as_ref().is_some_and(|c| CaptureState::same(c, &state)) {
+                theirs.take();
+            }
+            if f.dropped {
+                self.stream.device().park_stream(f.raw);
+            }
+        }
+        (graph, out)
     }
 }
 
 impl Drop for Capturing<'_> {
     fn drop(&mut self) {
         if !self.ended {
-            // A panic in the closure: end the capture and throw the graph away, under the
-            // stream's order as in `end`.
-            let mut held = self.stream.order().hold();
-            // SAFETY: as in `end`.
-            if let Ok(g) = unsafe { cu::stream_end_capture(self.stream.as_raw()) } {
+            // A panic in the closure: end the capture and throw the graph away.
+            if let (Ok(g), _) = self.finish(None) {
                 // SAFETY: just captured, owned here, not instantiated.
                 let _ = unsafe { cu::graph_destroy(g) };
             }
-            held.take();
         }
     }
 }
@@ -233,11 +283,20 @@ impl Graph {
     /// Captures the tracked work `body` queues on `stream` into a graph, and instantiates it.
     /// Nothing runs during the capture; [`Graph::launch`] runs it.
     ///
-    /// Inside `body`, queue work on `stream` only (kernels, copies between device buffers,
-    /// fills); other streams run eagerly as usual. Refused with [`Error::Capture`] (and the
-    /// capture thrown away if `body` passes the error on): allocation, copies from or to host
-    /// memory, [`Stream::record`]/[`Stream::wait`], an operation spanning several streams, and
-    /// NCCL (see [`Graph::capture_with`]).
+    /// Inside `body`, queue work on `stream` (kernels, copies between device buffers, fills);
+    /// other streams run eagerly as usual, unless they join the capture: a stream of the same
+    /// device that waits ([`Stream::wait`]) for an [`crate::Event`] recorded on `stream` (or on
+    /// a stream already joined) inside the capture is part of it from then on, as in CUDA's
+    /// cross-stream capture. Its work is captured and ordered like eager work: after the point
+    /// it waited for, and after the capture's conflicting uses of the same buffers on the
+    /// capture's other streams (handoff records and waits for events inside the capture, which
+    /// become edges of the graph). When `body` returns, every joined stream is joined back
+    /// into `stream`, so a replay on `stream` runs all of it, and the joined streams run
+    /// eagerly again. Refused with [`Error::Capture`] (and the capture thrown away if `body`
+    /// passes the error on): allocation, copies from or to host memory, an operation spanning
+    /// a stream of the capture and one outside it, waiting inside the capture for an event
+    /// recorded outside it, a stream of another device joining, work of another thread on a
+    /// stream of the capture, and NCCL (see [`Graph::capture_with`]).
     ///
     /// # Errors
     /// [`Error::Capture`] if the stream is already being captured (by handoff or anyone else);
@@ -249,7 +308,8 @@ impl Graph {
 
     /// As [`Graph::capture`], with NCCL operations on `comm`, which the graph owns from now on
     /// (it is dropped with the graph, or at once if the capture fails). `body` gets it back by
-    /// reference to queue sends, receives, collectives and groups on `stream`; they are
+    /// reference to queue sends, receives, collectives and groups on `stream` (or on streams
+    /// joined to the capture); they are
     /// verified across ranks now, as eager ones are, and replayed without being checked again.
     /// Every rank must capture the same NCCL operations on this communicator, and replay the
     /// graph as often as the others: a rank left waiting is aborted by the watchdog after the
@@ -297,15 +357,14 @@ impl Graph {
             // that the function's contract leaves to handoff: the capture state set below, under
             // the same lock, sends every tracked operation on the stream to the capture branch.
             unsafe { cu::stream_begin_capture(stream.as_raw()) }?;
-            *state = Some(CaptureState {
-                comm: comm.as_ref().map(Communicator::key),
-                thread: Some(std::thread::current().id()),
-                ..CaptureState::default()
-            });
+            *state = Some(CaptureState::new(
+                stream.device(),
+                comm.as_ref().map(Communicator::key),
+            ));
         }
         let capturing = Capturing { stream, ended: false };
         let ran = body(stream, comm.as_ref());
-        let (graph, state) = capturing.end(ran.is_ok().then_some(&*replayed));
+        let (graph, captured) = capturing.end(ran.is_ok().then_some(&*replayed));
         let graph = match (ran, graph) {
             (Ok(()), Ok(g)) => g,
             (ran, graph) => {
@@ -323,7 +382,7 @@ impl Graph {
         let _ = unsafe { cu::graph_destroy(graph) };
         let exec = Exec(exec?);
         // In the engine's lock order (by key) once, so that a replay sorts nothing.
-        let mut uses = state.uses.uses().to_vec();
+        let mut uses = captured.uses.uses().to_vec();
         uses.sort_by_key(|(t, _)| t.key());
         let origin = comm
             .as_ref()
@@ -335,7 +394,7 @@ impl Graph {
             device: stream.device().clone(),
             captured_on: stream.id(),
             uses,
-            _keep: state.keep,
+            _keep: captured.keep,
             comm,
             replayed,
             launches: Cell::new(0),

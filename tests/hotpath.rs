@@ -506,6 +506,118 @@ const REPLAY_THEN_ALL_REDUCE: Expected = Expected {
     allocs: 0,
 };
 
+/// The article's Figure 3 round captured across two streams: A on the captured stream `p`, a
+/// fork (an event recorded there, waited for by `c`), the send and receive on `c`, C and then
+/// B (which reads what was received) on `p`; replayed. Inside the capture handoff orders the
+/// capture's conflicting uses across its streams through events recorded into it: the counts
+/// of the capture thread's `cudaStreamWaitEvent` say which waits (graph edges) it made. And
+/// what stays refused.
+fn capture_across_streams(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let comm = Communicator::init_all(std::slice::from_ref(&dev))?
+        .pop()
+        .expect("one rank");
+    let (p, c, q) = (Stream::new(&dev)?, Stream::new(&dev)?, Stream::new(&dev)?);
+    let mut a = DeviceBuffer::<f32>::zeros(&p, 4)?;
+    let mut x = DeviceBuffer::<f32>::zeros(&c, 4)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&p, 4)?;
+    let outside = handoff::Event::without_timing(&dev)?;
+    q.record(&outside)?;
+    let fork = handoff::Event::without_timing(&dev)?;
+    let waits = || {
+        stubs
+            .snapshot()
+            .calls
+            .get("cudaStreamWaitEvent")
+            .copied()
+            .unwrap_or(0)
+    };
+    let mut inside = Vec::new();
+    let mut dropped_handle = None;
+    let mut reused = false;
+    let w0 = waits();
+    let graph = Graph::capture_with(&p, comm, |p, comm| {
+        kernels::produce(p, &mut a, 1)?;
+        p.record(&fork)?;
+        // Inside the capture, no wait for what is outside it.
+        inside.push(("a wait for an event recorded outside", p.wait(&outside).err()));
+        c.wait(&fork)?;
+        // Joined: another thread's work there is refused, and so is its joining.
+        std::thread::scope(|t| {
+            let other = t
+                .spawn(|| kernels::produce(&c, &mut x, 9).err())
+                .join()
+                .expect("thread");
+            inside.push(("another thread's work on a joined stream", other));
+            let join = t.spawn(|| q.wait(&fork).err()).join().expect("thread");
+            inside.push(("another thread joining", join));
+        });
+        // A joined stream dropped inside the capture: its handle is not handed out again
+        // before the capture ends (CUDA captures it until then).
+        let t = Stream::new(p.device())?;
+        t.wait(&fork)?;
+        dropped_handle = Some(t.as_raw() as usize);
+        drop(t);
+        let u = Stream::new(p.device())?;
+        reused = Some(u.as_raw() as usize) == dropped_handle;
+        group(|g| {
+            g.send(comm, &a, 0, &c)?;
+            g.recv(comm, &mut x, 0, &c)
+        })?;
+        kernels::busy(p, Duration::ZERO)?;
+        kernels::twice(p, &x, &mut y)
+    })?;
+    let captured_waits = waits() - w0;
+    if reused {
+        return Err("a dropped joined stream's handle was handed out during the capture".into());
+    }
+    // Parked once the capture has ended.
+    if Some(Stream::new(&dev)?.as_raw() as usize) != dropped_handle {
+        return Err("a dropped joined stream's handle must be parked once the capture ends".into());
+    }
+    for (what, refused) in inside {
+        match refused {
+            Some(handoff::Error::Capture { .. }) => {}
+            other => {
+                return Err(format!("{what}: must be refused with Error::Capture, got {other:?}").into());
+            }
+        }
+    }
+    // The forks (c, and the dropped one) and the edges: c's send waits for A (a's write on p),
+    // B for the receive (x's write on c), and both forks are joined back into p at the end.
+    println!("capture across streams: {captured_waits} waits inside the capture");
+    if captured_waits != 6 {
+        return Err(format!(
+            "expected 6 waits inside the capture (2 forks, A before the send, the receive before \
+             B, 2 joins), got {captured_waits}"
+        )
+        .into());
+    }
+    for _ in 0..3 {
+        graph.launch(&p)?;
+    }
+    // After the capture: c runs eagerly again, and the fork event must be recorded anew.
+    kernels::produce(&c, &mut x, 2)?;
+    match q.wait(&fork) {
+        Err(handoff::Error::Capture { detail }) if detail.contains("has ended") => {}
+        other => return Err(format!("a wait for an event of an ended capture: {other:?}").into()),
+    }
+    // An operation spanning the capture's stream and one outside it.
+    let comm2 = Communicator::init_all(std::slice::from_ref(&dev))?
+        .pop()
+        .expect("one rank");
+    let spanning = Graph::capture_with(&p, comm2, |p, comm| {
+        group(|g| {
+            g.send(comm, &a, 0, p)?;
+            g.recv(comm, &mut x, 0, &c)
+        })
+    });
+    match spanning {
+        Err(handoff::Error::Capture { .. }) => Ok(()),
+        other => Err(format!("a group spanning a captured stream and another: {other:?}").into()),
+    }
+}
+
 /// On two (stub) devices: a kernel launch makes its device current when another is (and asks
 /// only, when it is already); an NCCL operation leaves the current device alone; a graph that
 /// captured a peer copy (its source on the other device) replays, on a stream of its own device
@@ -744,6 +856,7 @@ fn main() {
         trial("kernel_graph_launch", kernel_graph),
         trial("nccl_graph_launch", nccl_graph),
         trial("all_reduce_after_a_replay", all_reduce_after_a_replay),
+        trial("capture_across_streams", capture_across_streams),
         trial("watchdog_queries", watchdog_queries),
         trial("two_devices", two_devices),
         trial("failed_record_after_nccl_work", failed_record_after_nccl_work),
