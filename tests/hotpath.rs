@@ -618,6 +618,26 @@ fn capture_across_streams(stubs: &Stubs) -> Result<(), Failed> {
     }
 }
 
+/// Pinned host buffers of a small size class, 16 alive at once: one `cudaMallocHost` (a slab
+/// of the class), the other 15 cut from it.
+fn pinned_slabs(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let before = stubs.snapshot();
+    let live: Vec<_> = (0..16)
+        .map(|_| handoff::HostBuffer::<f32>::zeros(&dev, 200))
+        .collect::<handoff::Result<_>>()?;
+    let calls = stubs.snapshot().since(&before);
+    let mallocs = calls.calls.get("cudaMallocHost").copied().unwrap_or(0);
+    println!("16 pinned buffers of 800 bytes: {mallocs} cudaMallocHost");
+    drop(live);
+    if mallocs != 1 {
+        return Err(
+            format!("16 small pinned buffers made {mallocs} cudaMallocHost calls, expected 1").into(),
+        );
+    }
+    Ok(())
+}
+
 /// On two (stub) devices: a kernel launch makes its device current when another is (and asks
 /// only, when it is already); an NCCL operation leaves the current device alone; a graph that
 /// captured a peer copy (its source on the other device) replays, on a stream of its own device
@@ -857,6 +877,7 @@ fn main() {
         trial("nccl_graph_launch", nccl_graph),
         trial("all_reduce_after_a_replay", all_reduce_after_a_replay),
         trial("capture_across_streams", capture_across_streams),
+        trial("pinned_slabs", pinned_slabs),
         trial("watchdog_queries", watchdog_queries),
         trial("two_devices", two_devices),
         trial("failed_record_after_nccl_work", failed_record_after_nccl_work),
