@@ -300,10 +300,8 @@ impl Device {
     }
 
     /// An event for a graph's replays to record (see `PooledEvent::replayed`), from the pool
-    /// or new. Back in the pool once the graph and every tracker let go: the graph's
-    /// executable is destroyed by then, so no launch records it again, and a later record by
-    /// the host overwrites the replays' as it overwrites any earlier record (each record,
-    /// a graph launch's included, captures its work when it is called).
+    /// or new. Never handed out again: once the graph and every tracker have let go of it, the
+    /// pool destroys it (see [`take_idle`]).
     pub(crate) fn take_replayed_event(&self) -> Result<Arc<PooledEvent>> {
         self.take_event_for(true)
     }
@@ -338,6 +336,14 @@ fn take_idle(pool: &mut VecDeque<Arc<PooledEvent>>, replayed: bool) -> Option<Ar
         // Unique: no tracker, queue or list refers to it, and none can start to (only the pool
         // could hand out a clone, and the caller holds it locked).
         if let Some(idle) = Arc::get_mut(&mut e) {
+            if idle.replayed {
+                // A graph's: its executable is destroyed (the graph holds the event until
+                // then), but a replay may still be running, and would record it. Destroyed
+                // instead of reused: CUDA releases an event whose record has not completed once
+                // it has (`cudaEventDestroy`).
+                drop(e);
+                continue;
+            }
             // Re-recording it is safe even if its last record is still pending:
             // cudaStreamWaitEvent captured the state of each record at the time it was called,
             // and a host wait that read it has returned (nothing else holds it).
@@ -430,9 +436,13 @@ mod tests {
         let e = take_idle(&mut pool, true).expect("the third is idle");
         assert_eq!(e.raw as usize, 3);
         assert!(e.is_replayed() && e.poisoned().is_none());
+        // A graph's event, let go of: destroyed, not handed out again.
+        drop(e);
+        assert!(take_idle(&mut pool, false).is_none());
+        assert_eq!(pool.len(), 2, "the graph's event left the pool");
         // Now every one is held: none is handed out (a new one would be made).
         assert!(take_idle(&mut pool, false).is_none());
-        assert_eq!(pool.len(), 3, "the pool keeps them all");
+        assert_eq!(pool.len(), 2, "the pool keeps them all");
         drop(held);
         let e = take_idle(&mut pool, false).expect("let go of");
         assert_eq!(e.raw as usize, 1, "the oldest first");
