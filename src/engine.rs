@@ -146,6 +146,9 @@ pub(crate) struct Fork {
     /// once the capture has ended (until then CUDA still captures it, and a new `Stream` over
     /// it would queue untracked work into the graph).
     pub(crate) dropped: bool,
+    /// For a stream wrapped from someone else (cudarc's): what keeps its handle alive until
+    /// the capture has joined it back and ended, even if its `Stream` is dropped before.
+    pub(crate) _owner: Option<Keep>,
 }
 
 // SAFETY: the raw handles are CUDA streams, usable from any thread; the list is behind the

@@ -306,6 +306,7 @@ impl Stream {
                     raw: self.raw,
                     order: self.order.clone(),
                     dropped: false,
+                    _owner: self.owner.clone(),
                 });
                 drop(shared);
                 *held = Some(theirs.clone());
