@@ -106,8 +106,8 @@ impl TrackedInner {
 /// (edges of the graph).
 #[derive(Default, Clone)]
 pub(crate) struct CaptureState {
-    /// What every stream of the capture shares; a leaf lock (taken after stream orders and
-    /// trackers, with nothing taken inside it).
+    /// What every stream of the capture shares; taken after stream orders, trackers and an
+    /// event's mark, and with nothing inside it but the device's event pool.
     pub(crate) shared: Arc<Mutex<Captured>>,
     /// The communicator given to the capture (its key), the only one whose operations it takes.
     pub(crate) comm: Option<usize>,
@@ -771,6 +771,8 @@ fn capture<R>(
             unsafe { cu::stream_wait_event(u.stream.as_raw(), e.raw)? };
         }
     }
+    // Not held across the submission (an NCCL group takes its communicators' locks).
+    drop(shared);
     let mut current = CurrentDevice::default();
     if !matches!(work, Work::Nccl { .. })
         && let Some(u) = uses.first()
@@ -778,6 +780,7 @@ fn capture<R>(
         current.set(u.stream.device())?;
     }
     let out = submit(&mut current);
+    let mut shared = state.lock();
     for s in streams {
         let event = s.device().take_event()?;
         // SAFETY: both handles are live and of the same device; recorded into the capture
