@@ -73,6 +73,7 @@ const CUDART_FUNCTIONS: &[&str] = &[
     "cudaEventCreateWithFlags",
     "cudaEventDestroy",
     "cudaEventRecord",
+    "cudaEventRecordWithFlags",
     "cudaEventQuery",
     "cudaEventSynchronize",
     "cudaEventElapsedTime",

@@ -1,6 +1,7 @@
 //! GPUs: [`Device`], and the per-device state the safe API shares (an event pool and the stream
 //! on which buffers are freed).
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use once_cell::sync::OnceCell;
@@ -35,8 +36,10 @@ pub(crate) struct DeviceInner {
     /// Where buffers are freed: in stream order after every pending use (see `DeviceBuffer`'s
     /// `Drop`), so dropping a buffer never blocks the host.
     pub(crate) lifecycle: cudaStream_t,
-    /// Idle events, reused for tracking so that the hot path creates none.
-    events: Mutex<Vec<cudaEvent_t>>,
+    /// Every tracking event made here, oldest taken first: one that nothing but the pool holds
+    /// (its `Arc`'s count is 1) is taken again, `Arc` and all, so that the hot path neither
+    /// creates an event nor allocates.
+    events: Mutex<VecDeque<Arc<PooledEvent>>>,
     /// Streams whose `Stream` was dropped, reused by `Stream::new`. Dropping a `Stream` parks
     /// its handle here instead of calling `cudaStreamDestroy`, which was seen to block until
     /// the stream's queued work finished (CUDA 13.0, driver 580) although its documentation
@@ -58,11 +61,11 @@ impl Drop for DeviceInner {
         if cu::set_device(self.ordinal).is_err() {
             return;
         }
-        let events = std::mem::take(self.events.get_mut().unwrap_or_else(|p| p.into_inner()));
-        for e in events {
-            // SAFETY: pooled events are owned by the pool and referenced by no tracker.
-            let _ = unsafe { cu::event_destroy(e) };
-        }
+        // Each event is destroyed by its last holder: here, or later (a communicator's queue
+        // on the watchdog's thread may still hold one for a moment).
+        drop(std::mem::take(
+            self.events.get_mut().unwrap_or_else(|p| p.into_inner()),
+        ));
         let streams = std::mem::take(self.streams.get_mut().unwrap_or_else(|p| p.into_inner()));
         for s in streams.into_iter().chain([self.lifecycle]) {
             // SAFETY: parked and lifecycle streams are owned here and nothing else can reach
@@ -72,18 +75,27 @@ impl Drop for DeviceInner {
     }
 }
 
-/// A tracking event: taken from its device's pool, returned to it when the last tracker that
-/// references it lets go. Shared (`Arc`) because one operation's event is recorded in the
-/// tracker of every buffer it touches.
+/// A tracking event: taken from its device's pool, which keeps it and takes it again once
+/// nothing else holds it (every tracker that referred to it has let go). Shared (`Arc`)
+/// because one operation's event is recorded in the tracker of every buffer it touches.
 pub(crate) struct PooledEvent {
     pub(crate) raw: cudaEvent_t,
-    device: Arc<DeviceInner>,
+    /// A made-up handle of the CPU tests, never given to CUDA.
+    #[cfg(test)]
+    fake: bool,
     /// Set when the work this event follows was cut short: an NCCL operation whose
     /// communicator was aborted before it completed. Host reads that waited for it report it.
     poison: OnceCell<String>,
     /// The communicator whose work this event follows, asked at a host read whether that work
     /// may have been cut short since (an NCCL error its watchdog has not yet seen).
     origin: OnceCell<Arc<dyn Origin>>,
+    /// Recorded by a graph's replays on the GPU (an event record node, see [`crate::Graph`]),
+    /// not by the host: it stands for the latest replay launched so far, which changes at each
+    /// launch. Every holder that keeps it past a launch must mean "the latest replay" (the
+    /// trackers and a stream's last work do: each launch stores it again); a list that must
+    /// mean one fixed point of a stream (what an NCCL operation waits behind, for the
+    /// watchdog's deadline) never holds it (see `engine::enqueue`).
+    replayed: bool,
 }
 
 /// Where a tracking event's work came from, when something can cut that work short.
@@ -101,6 +113,11 @@ impl PooledEvent {
     /// Says which communicator's work this event follows.
     pub(crate) fn set_origin(&self, origin: Arc<dyn Origin>) {
         let _ = self.origin.set(origin);
+    }
+
+    /// Whether a graph's replays record this event (see `replayed`), not the host.
+    pub(crate) fn is_replayed(&self) -> bool {
+        self.replayed
     }
 
     /// Why the work before this event was cut short, if it was. Called once the event has
@@ -123,12 +140,20 @@ unsafe impl Sync for PooledEvent {}
 
 impl Drop for PooledEvent {
     fn drop(&mut self) {
-        // Re-recording it later is safe even if it is still pending now: cudaStreamWaitEvent
-        // captured the state of each record at the time it was called.
-        let mut pool = self.device.events.lock().unwrap_or_else(|p| p.into_inner());
-        pool.push(self.raw);
+        #[cfg(test)]
+        if self.fake {
+            return;
+        }
+        // Only once its pool is gone (its device): nothing refers to it any more. A pending
+        // event is released by the runtime once it completes.
+        // SAFETY: the handle was made by the pool and is destroyed once, here.
+        let _ = unsafe { cu::event_destroy(self.raw) };
     }
 }
+
+/// How many of the pool's events [`Device::take_event`] looks at for one that nothing holds
+/// before it makes a new one.
+const REUSE_TRIES: usize = 4;
 
 impl Device {
     /// How many CUDA devices this process can see. A machine with a driver but no GPU gives 0.
@@ -169,7 +194,7 @@ impl Device {
             inner: Arc::new(DeviceInner {
                 ordinal,
                 lifecycle,
-                events: Mutex::new(Vec::new()),
+                events: Mutex::new(VecDeque::new()),
                 streams: Mutex::new(Vec::new()),
             }),
         })
@@ -182,7 +207,7 @@ impl Device {
             inner: Arc::new(DeviceInner {
                 ordinal: 0,
                 lifecycle: std::ptr::null_mut(),
-                events: Mutex::new(Vec::new()),
+                events: Mutex::new(VecDeque::new()),
                 streams: Mutex::new(Vec::new()),
             }),
         }
@@ -249,32 +274,88 @@ impl Device {
     /// device must outlive the test without being dropped (its drop destroys pooled events).
     #[cfg(test)]
     pub(crate) fn fake_event(&self, raw: usize) -> Arc<PooledEvent> {
+        self.fake_event_for(raw, false)
+    }
+
+    /// [`Device::fake_event`] of a graph's replays (`PooledEvent::is_replayed`).
+    #[cfg(test)]
+    pub(crate) fn fake_replayed_event(&self, raw: usize) -> Arc<PooledEvent> {
+        self.fake_event_for(raw, true)
+    }
+
+    #[cfg(test)]
+    fn fake_event_for(&self, raw: usize, replayed: bool) -> Arc<PooledEvent> {
         Arc::new(PooledEvent {
             raw: raw as cudaEvent_t,
-            device: self.inner.clone(),
+            fake: true,
             poison: OnceCell::new(),
             origin: OnceCell::new(),
+            replayed,
         })
     }
 
     /// A tracking event, from the pool or new.
     pub(crate) fn take_event(&self) -> Result<Arc<PooledEvent>> {
-        let pooled = self.inner.events.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let raw = match pooled {
-            Some(e) => e,
-            None => {
-                // Events belong to the device current at creation: make sure it is this one.
-                self.set_current()?;
-                cu::event_create(false)?
-            }
-        };
-        Ok(Arc::new(PooledEvent {
-            raw,
-            device: self.inner.clone(),
+        self.take_event_for(false)
+    }
+
+    /// An event for a graph's replays to record (see `PooledEvent::replayed`), from the pool
+    /// or new. Never handed out again: once the graph and every tracker have let go of it, the
+    /// pool destroys it (see [`take_idle`]).
+    pub(crate) fn take_replayed_event(&self) -> Result<Arc<PooledEvent>> {
+        self.take_event_for(true)
+    }
+
+    fn take_event_for(&self, replayed: bool) -> Result<Arc<PooledEvent>> {
+        let mut pool = self.inner.events.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = take_idle(&mut pool, replayed) {
+            return Ok(e);
+        }
+        // Events belong to the device current at creation: make sure it is this one.
+        self.set_current()?;
+        let e = Arc::new(PooledEvent {
+            raw: cu::event_create(false)?,
+            #[cfg(test)]
+            fake: false,
             poison: OnceCell::new(),
             origin: OnceCell::new(),
-        }))
+            replayed,
+        });
+        pool.push_back(e.clone());
+        Ok(e)
     }
+}
+
+/// An event of `pool` that nothing else holds, made ready for a new use (`replayed`: a graph's,
+/// see `PooledEvent::replayed`), if one of the first [`REUSE_TRIES`] is. The oldest taken are
+/// looked at first: events are let go of roughly in the order they were taken (a newer use
+/// supersedes an older one); one still held goes to the back.
+fn take_idle(pool: &mut VecDeque<Arc<PooledEvent>>, replayed: bool) -> Option<Arc<PooledEvent>> {
+    for _ in 0..pool.len().min(REUSE_TRIES) {
+        let mut e = pool.pop_front()?;
+        // Unique: no tracker, queue or list refers to it, and none can start to (only the pool
+        // could hand out a clone, and the caller holds it locked).
+        if let Some(idle) = Arc::get_mut(&mut e) {
+            if idle.replayed {
+                // A graph's: its executable is destroyed (the graph holds the event until
+                // then), but a replay may still be running, and would record it. Destroyed
+                // instead of reused: CUDA releases an event whose record has not completed once
+                // it has (`cudaEventDestroy`).
+                drop(e);
+                continue;
+            }
+            // Re-recording it is safe even if its last record is still pending:
+            // cudaStreamWaitEvent captured the state of each record at the time it was called,
+            // and a host wait that read it has returned (nothing else holds it).
+            idle.poison = OnceCell::new();
+            idle.origin = OnceCell::new();
+            idle.replayed = replayed;
+            pool.push_back(e.clone());
+            return Some(e);
+        }
+        pool.push_back(e);
+    }
+    None
 }
 
 /// What a failed `cudaGetDeviceCount` means, given `cudaDriverGetVersion` and
@@ -343,6 +424,29 @@ mod tests {
 
     fn no_versions() -> Result<i32> {
         Err(Error::InvalidArgument("not asked".into()))
+    }
+
+    #[test]
+    fn the_pool_hands_out_again_only_what_nothing_holds() {
+        let d = Device::for_tests();
+        let mut pool: VecDeque<Arc<PooledEvent>> = (1..=3).map(|i| d.fake_event(i)).collect();
+        // Held by a tracker (here: by the test) and marked by an earlier use.
+        let held: Vec<_> = pool.iter().take(2).cloned().collect();
+        held[0].poison("cut short");
+        let e = take_idle(&mut pool, true).expect("the third is idle");
+        assert_eq!(e.raw as usize, 3);
+        assert!(e.is_replayed() && e.poisoned().is_none());
+        // A graph's event, let go of: destroyed, not handed out again.
+        drop(e);
+        assert!(take_idle(&mut pool, false).is_none());
+        assert_eq!(pool.len(), 2, "the graph's event left the pool");
+        // Now every one is held: none is handed out (a new one would be made).
+        assert!(take_idle(&mut pool, false).is_none());
+        assert_eq!(pool.len(), 2, "the pool keeps them all");
+        drop(held);
+        let e = take_idle(&mut pool, false).expect("let go of");
+        assert_eq!(e.raw as usize, 1, "the oldest first");
+        assert!(e.poisoned().is_none(), "a new use starts unmarked");
     }
 
     #[test]

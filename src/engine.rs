@@ -18,17 +18,22 @@
 //!    group ("as if the NCCL group operation was posted on every stream", NCCL's CUDA stream
 //!    semantics) and the stream orders held here keep any other use of those streams wholly
 //!    before or after. If recording fails, the host waits for the stream instead, so no queued
-//!    use is left untracked; every record stream is handled even after an error.
+//!    use is left untracked; every record stream is handled even after an error. A graph
+//!    replay records nothing: its graph's event, which the replay records itself on the GPU,
+//!    is stored instead ([`enqueue_replay`]).
 //!
 //! On a stream handoff is capturing into a graph ([`crate::Graph`]), steps 3 and 5 give way to
 //! the capture branch: [`CaptureState::admit`] decides whether the work may enter, and its
-//! buffers are noted for the graph's replays instead of waited for and recorded. On a stream
-//! someone else captures, nothing is queued ([`Error::Capture`]).
+//! buffers are noted for the graph's replays instead of waited for and recorded; among the
+//! capture's streams (every stream of the operation must be one), the same rule as step 3
+//! orders it after the capture's conflicting uses, through events recorded into the capture.
+//! On a stream someone else captures, nothing is queued ([`Error::Capture`]).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::device::{Device, PooledEvent};
 use crate::error::{Error, Result};
+use crate::result as cu;
 use crate::stream::Stream;
 use crate::tracking::{Access, CapturedUses, Held, UseTracker, record_and_store};
 
@@ -91,15 +96,19 @@ impl TrackedInner {
 }
 
 /// A graph capture under way on a stream (see [`crate::Graph`]): held in the stream's
-/// [`crate::tracking::RecordOrder`], so the engine sees it under the lock it already takes.
-/// While it is there, operations on the stream are recorded into the graph, not run: the engine
-/// neither waits for earlier uses (the graph's replays will) nor records events (nothing ran);
-/// it notes each use for the replays to track.
-#[derive(Default)]
+/// [`crate::tracking::RecordOrder`], so the engine sees it under the lock it already takes;
+/// the same capture's state is held by every stream of the capture (the one it began on, and
+/// those joined to it by waiting for an [`crate::Event`] recorded in it), all sharing one
+/// [`Captured`]. While it is there, operations on the stream are recorded into the graph, not
+/// run: the engine neither waits for earlier uses outside the capture (the graph's replays
+/// will) nor records tracking events (nothing ran); it notes each use for the replays to
+/// track, and orders it after the conflicting earlier uses of the capture on its other streams
+/// (edges of the graph).
+#[derive(Default, Clone)]
 pub(crate) struct CaptureState {
-    pub(crate) uses: CapturedUses<Tracked>,
-    /// What the graph's nodes refer to besides memory (the modules of captured kernels).
-    pub(crate) keep: Vec<Keep>,
+    /// What every stream of the capture shares; taken after stream orders, trackers and an
+    /// event's mark, and with nothing inside it but the device's event pool.
+    pub(crate) shared: Arc<Mutex<Captured>>,
     /// The communicator given to the capture (its key), the only one whose operations it takes.
     pub(crate) comm: Option<usize>,
     /// The thread running the capture's closure, the only one whose work it takes: another
@@ -107,6 +116,97 @@ pub(crate) struct CaptureState {
     /// checked for a capture before it began, and would believe its work had run). `None` only
     /// in a state no capture made (the default), which admits nothing.
     pub(crate) thread: Option<std::thread::ThreadId>,
+}
+
+/// What the streams of one capture share.
+#[derive(Default)]
+pub(crate) struct Captured {
+    pub(crate) uses: CapturedUses<Tracked>,
+    /// What the graph's nodes refer to besides memory (the modules of captured kernels).
+    pub(crate) keep: Vec<Keep>,
+    /// Each buffer's uses inside the capture, each tracked by an event recorded into the
+    /// capture after it on its stream (which adds no node; a wait for it from another stream of
+    /// the capture is an edge): the same rule as eager tracking, inside the graph.
+    within: Vec<(Tracked, UseTracker<Arc<PooledEvent>>)>,
+    /// The streams joined to the capture, each joined back into the stream it began on before
+    /// it ends (CUDA requires it: `cudaErrorStreamCaptureUnjoined`).
+    pub(crate) forked: Vec<Fork>,
+    /// The device of the stream the capture began on: streams of another cannot join.
+    pub(crate) device: Option<Device>,
+    /// Set once the capture has ended.
+    pub(crate) ended: bool,
+}
+
+/// A stream joined to a capture.
+pub(crate) struct Fork {
+    pub(crate) raw: crate::sys::cudart::cudaStream_t,
+    /// Its order, whose capture state is cleared when the capture ends.
+    pub(crate) order: Arc<crate::tracking::RecordOrder<StreamState>>,
+    /// Whether its `Stream` was dropped during the capture: its handle is then parked only
+    /// once the capture has ended (until then CUDA still captures it, and a new `Stream` over
+    /// it would queue untracked work into the graph).
+    pub(crate) dropped: bool,
+    /// For a stream wrapped from someone else (cudarc's): what keeps its handle alive until
+    /// the capture has joined it back and ended, even if its `Stream` is dropped before.
+    pub(crate) _owner: Option<Keep>,
+}
+
+// SAFETY: the raw handles are CUDA streams, usable from any thread; the list is behind the
+// capture's mutex.
+unsafe impl Send for Captured {}
+
+impl Captured {
+    fn within(&mut self, t: &Tracked) -> &mut UseTracker<Arc<PooledEvent>> {
+        let i = match self.within.iter().position(|(u, _)| Tracked::same(u, t)) {
+            Some(i) => i,
+            None => {
+                self.within.push((t.clone(), UseTracker::new()));
+                self.within.len() - 1
+            }
+        };
+        &mut self.within[i].1
+    }
+}
+
+impl CaptureState {
+    /// A capture beginning on a stream of `device`, by the calling thread, taking NCCL
+    /// operations of the communicator `comm` (its key) only.
+    pub(crate) fn new(device: &Device, comm: Option<usize>) -> CaptureState {
+        let captured = Captured {
+            device: Some(device.clone()),
+            ..Captured::default()
+        };
+        CaptureState {
+            shared: Arc::new(Mutex::new(captured)),
+            comm,
+            thread: Some(std::thread::current().id()),
+        }
+    }
+
+    /// The shared state, locked.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Captured> {
+        // Each update is one step: a poisoned lock is still usable.
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `a` and `b` are one capture's.
+    pub(crate) fn same(a: &CaptureState, b: &CaptureState) -> bool {
+        Arc::ptr_eq(&a.shared, &b.shared)
+    }
+}
+
+/// Whether two streams are being captured into one graph (for a group's check).
+pub(crate) fn same_capture(a: &Stream, b: &Stream) -> bool {
+    if std::ptr::eq(a, b) {
+        return true;
+    }
+    let Some(x) = a.order().hold().clone() else {
+        return false;
+    };
+    b.order()
+        .hold()
+        .as_ref()
+        .is_some_and(|y| CaptureState::same(&x, y))
 }
 
 impl CaptureState {
@@ -174,8 +274,9 @@ pub(crate) const NOT_THE_GRAPHS: &str = "an NCCL operation in a graph must use t
     send and receive with each peer on it once before capturing)";
 
 /// Why an operation spanning streams is refused in a capture.
-pub(crate) const SPANNING: &str = "an operation captured into a graph may use only the stream \
-    being captured: queue the other streams' work outside the capture";
+pub(crate) const SPANNING: &str = "an operation captured into a graph may use only streams of \
+    the capture (the stream being captured, and streams joined to it by waiting for an Event \
+    recorded in it): queue the other streams' work outside the capture, or join them first";
 
 /// [`Error::Capture`] with `detail`.
 pub(crate) fn capture_error(detail: &str) -> Error {
@@ -408,6 +509,42 @@ pub(crate) fn enqueue<R>(
     uses: &[TrackedUse<'_>],
     work: Work<'_>,
     submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
+    recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
+) -> Result<R> {
+    enqueue_with(uses, work, None, submit, recorded)
+}
+
+/// How a graph replay is tracked (see [`crate::Graph`]): by the graph's own event, which the
+/// replay records on the GPU (an event record node at the end of the capture), so that the
+/// launch records nothing from the host.
+#[derive(Clone, Copy)]
+pub(crate) struct Replay<'e> {
+    /// The graph's event (`PooledEvent::is_replayed`): stored as the latest use of every
+    /// buffer of the replay, and as its stream's latest work.
+    pub(crate) event: &'e Arc<PooledEvent>,
+    /// Whether to record a host event after the replay as well (an NCCL graph's every few
+    /// launches): a fixed point of the stream, for the watchdog and the in-flight bound, which
+    /// must tell replays apart. It is what `recorded` gets; otherwise `recorded` gets `event`.
+    pub(crate) checkpoint: bool,
+}
+
+/// [`enqueue`] of a graph replay on one stream, tracked as `replay` says. Refused in a
+/// capture.
+pub(crate) fn enqueue_replay<R>(
+    uses: &[TrackedUse<'_>],
+    work: Work<'_>,
+    replay: Replay<'_>,
+    submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
+    recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
+) -> Result<R> {
+    enqueue_with(uses, work, Some(replay), submit, recorded)
+}
+
+fn enqueue_with<R>(
+    uses: &[TrackedUse<'_>],
+    work: Work<'_>,
+    replay: Option<Replay<'_>>,
+    submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
     mut recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
 ) -> Result<R> {
     let nccl = matches!(work, Work::Nccl { .. });
@@ -427,8 +564,14 @@ pub(crate) fn enqueue<R>(
         held.push(s.order().hold());
     }
     let capturing = held.iter().any(|h| h.is_some());
-    if capturing && streams.len() > 1 {
-        return Err(capture_error(SPANNING));
+    if capturing {
+        let first = held.iter().flat_map(|h| h.as_ref()).next().expect("capturing");
+        if !held
+            .iter()
+            .all(|h| h.as_ref().is_some_and(|c| CaptureState::same(c, first)))
+        {
+            return Err(capture_error(SPANNING));
+        }
     }
     if !capturing {
         for s in streams.iter() {
@@ -459,8 +602,11 @@ pub(crate) fn enqueue<R>(
         ));
     }
     if capturing {
-        let state = held.get_mut(0).and_then(|h| h.as_mut()).expect("capturing");
-        return capture(uses, work, state, submit);
+        if replay.is_some() {
+            return Err(not_capturable("launching a graph"));
+        }
+        let state = held.get(0).and_then(|h| h.as_ref()).expect("capturing");
+        return capture(uses, work, &streams, state, submit);
     }
     // Per record stream, what its uses' streams ran (and are made to wait for) before.
     let mut before: Slots<Before, 4> = Slots::default();
@@ -484,12 +630,19 @@ pub(crate) fn enqueue<R>(
         let sink = before.get_mut(index(u.record));
         u.stream.wait_for_conflicts(tracker(u.tracked), u.access, sink)?;
     }
+    if nccl {
+        exact_before(uses, &streams, &mut before, replay.map(|r| r.event))?;
+    }
     // The events to record after the work, taken before it is submitted: an event that cannot
     // be made fails the operation before anything is queued.
     let is_record = |s: &Stream| uses.iter().any(|u| std::ptr::eq(u.record, s));
     let mut events: Slots<Option<Arc<PooledEvent>>, 4> = Slots::default();
     for s in streams.iter() {
-        events.push(if is_record(s) {
+        let host_record = match replay {
+            None => true,
+            Some(r) => r.checkpoint,
+        };
+        events.push(if is_record(s) && host_record {
             Some(s.device().take_event()?)
         } else {
             None
@@ -503,10 +656,35 @@ pub(crate) fn enqueue<R>(
     let mut failed = None;
     let no_before = Before::default();
     for (i, s) in streams.iter().enumerate() {
+        let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, *s));
+        if let Some(r) = replay.filter(|_| is_record(s)) {
+            // Recorded by the replay itself, on the GPU: stored now, under the locks, with no
+            // call. Each launch stores it again, so wherever it is stored it means the latest
+            // replay (see `PooledEvent::replayed`).
+            for v in mine() {
+                let t = locked.get_mut(slot(v.tracked)).expect("locked");
+                t.record(v.stream.id(), v.access, r.event.clone());
+            }
+            s.note_recorded(r.event, nccl);
+            // The checkpoint, if one is due; without it (or if it cannot be recorded) the
+            // watchdog watches the replay through the graph's event, which is exact enough
+            // for it (see the watchdog's deadline over replays).
+            let watched = match events.get_mut(i).and_then(Option::take) {
+                Some(event) => match s.record_pooled(event) {
+                    Ok(event) => event,
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                        r.event.clone()
+                    }
+                },
+                None => r.event.clone(),
+            };
+            recorded(s, &watched, before.get(i).unwrap_or(&no_before));
+            continue;
+        }
         let Some(event) = events.get_mut(i).and_then(Option::take) else {
             continue;
         };
-        let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, *s));
         let stored = record_and_store(
             held.get(i).expect("held above"),
             || s.record_pooled(event),
@@ -554,28 +732,94 @@ pub(crate) fn enqueue<R>(
     }
 }
 
+/// Makes every [`Before`] list hold only fixed points of streams, as the watchdog's deadline
+/// needs (an operation's deadline counts from when its list has completed). A graph's event
+/// (`PooledEvent::is_replayed`) is not one: it stands for that graph's latest replay, and a
+/// replay launched later, perhaps behind this very operation, would hold the list back until
+/// after the operation itself: its deadline would never start. So:
+/// - `own`, the replayed graph's own event, is dropped: it is there as its stream's previous
+///   work, an earlier replay of the same graph, whose entry is in the same communicator's queue
+///   and older, and an entry's deadline starts only once it is the oldest, after that one was
+///   seen complete;
+/// - where another graph's event is in the list, the list is replaced by one event recorded now
+///   (after the waits, before the work) on each stream whose uses it covers: those complete
+///   exactly when everything the operation waits behind there has.
+fn exact_before(
+    uses: &[TrackedUse<'_>],
+    streams: &[&Stream],
+    before: &mut Slots<Before, 4>,
+    own: Option<&Arc<PooledEvent>>,
+) -> Result<()> {
+    let is_own = |e: &Arc<PooledEvent>| own.is_some_and(|o| Arc::ptr_eq(o, e));
+    for (i, r) in streams.iter().enumerate() {
+        let Some(b) = before.get_mut(i) else {
+            continue;
+        };
+        if b.iter().any(|e| e.is_replayed() && !is_own(e)) {
+            let mut marks = Before::default();
+            for s in streams {
+                if uses
+                    .iter()
+                    .any(|u| std::ptr::eq(u.record, *r) && std::ptr::eq(u.stream, *s))
+                {
+                    marks.push(s.record_event()?);
+                }
+            }
+            *b = marks;
+        } else if b.iter().any(is_own) {
+            *b = b.iter().filter(|e| !is_own(e)).cloned().collect();
+        }
+    }
+    Ok(())
+}
+
 /// The capture branch of [`enqueue`]: checks that the work may go into the graph, notes its uses
-/// (before submitting, so that a partly captured operation is tracked too), and submits it.
+/// (before submitting, so that a partly captured operation is tracked too), orders it after the
+/// conflicting uses of the capture on its other streams, submits it, and records one event into
+/// the capture after it on each of its streams, for later uses there to wait for.
 fn capture<R>(
     uses: &[TrackedUse<'_>],
     work: Work<'_>,
-    state: &mut CaptureState,
+    streams: &[&Stream],
+    state: &CaptureState,
     submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
 ) -> Result<R> {
     state.admit(uses.iter().any(|u| u.tracked.host), work)?;
+    let mut shared = state.lock();
     if let Work::Cuda { keep } = work {
-        state.keep.extend(keep.cloned());
+        shared.keep.extend(keep.cloned());
     }
     for u in uses {
-        state.uses.note(u.tracked.clone(), u.access, Tracked::same);
+        shared.uses.note(u.tracked.clone(), u.access, Tracked::same);
     }
+    for u in uses {
+        for e in shared.within(u.tracked).waits(u.stream.id(), u.access) {
+            // SAFETY: the stream is live; the event was recorded into this capture on another
+            // of its streams, and is kept alive by the capture's tracker: the wait is an edge of
+            // the graph.
+            unsafe { cu::stream_wait_event(u.stream.as_raw(), e.raw)? };
+        }
+    }
+    // Not held across the submission (an NCCL group takes its communicators' locks).
+    drop(shared);
     let mut current = CurrentDevice::default();
     if !matches!(work, Work::Nccl { .. })
         && let Some(u) = uses.first()
     {
         current.set(u.stream.device())?;
     }
-    submit(&mut current)
+    let out = submit(&mut current);
+    let mut shared = state.lock();
+    for s in streams {
+        let event = s.device().take_event()?;
+        // SAFETY: both handles are live and of the same device; recorded into the capture
+        // (the stream is captured), where it marks this point of the stream.
+        unsafe { cu::event_record(event.raw, s.as_raw())? };
+        for u in uses.iter().filter(|u| std::ptr::eq(u.stream, *s)) {
+            shared.within(u.tracked).record(s.id(), u.access, event.clone());
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -6,12 +6,40 @@
 //!   it neither waits for nor records tracking events (nothing runs yet), and each buffer it
 //!   touches is noted with the strongest access the capture made of it. What a graph cannot hold
 //!   is refused with [`Error::Capture`], nothing queued: allocation, copies from or to host
-//!   slices and pinned buffers (the host touches those outside stream order), user events, work
-//!   on other streams in the same operation, NCCL on any communicator but the graph's own.
+//!   slices and pinned buffers (the host touches those outside stream order), waits for events
+//!   recorded outside the capture, work spanning the capture's streams and others, NCCL on any
+//!   communicator but the graph's own.
+//! - **Several streams.** A stream that waits for an event recorded inside the capture joins
+//!   it (CUDA's cross-stream capture; handoff marks the stream under its order lock and the
+//!   event under its own, held across the record and the wait, so handoff's view is CUDA's).
+//!   Uses inside the capture are tracked among the capture's streams by the same rule as eager
+//!   ones, with events recorded into the capture (edges of the graph, no nodes), so the graph
+//!   orders its own conflicting work. At the end every joined stream is joined back into the
+//!   captured one (an event recorded there, waited for by the captured stream), then the
+//!   graph's event is recorded: a replay is one operation on the captured stream, covering all
+//!   of it. A joined stream's handle dropped during the capture is parked only after it (CUDA
+//!   captures it until then).
 //! - **Replays are tracked uses.** [`Graph::launch`] goes through the same engine as every
 //!   operation: the stream waits for the earlier uses each buffer's access conflicts with, and
-//!   one event after the replay is recorded as a use of every buffer. Host reads, other streams
+//!   one event after the replay is stored as a use of every buffer. Host reads, other streams
 //!   and the next replay order themselves around replays exactly as around eager work.
+//! - **The replay records its own event.** The capture ends with the graph's event recorded
+//!   into it as an external event node (`cudaEventRecordWithFlags(…, cudaEventRecordExternal)`),
+//!   after all its work, so every launch records that event again, with no host call: "each
+//!   launch of the graph will record event to capture execution of the node's dependencies"
+//!   (CUDA's `cudaGraphAddEventRecordNode`). The event therefore always stands for the latest
+//!   replay launched, and that is what each holder means by it: a launch stores it as the
+//!   latest use of every buffer of the graph, under their locks, and as its stream's latest
+//!   work, so a tracker that still holds it has the latest replay as that buffer's latest use
+//!   (a later use elsewhere would have replaced it). A wait on it is exact: `cudaStreamWaitEvent`
+//!   uses "the most recently captured state at the time of the API call, and \[is\] not affected
+//!   by later calls" (CUDA's `cudaEventRecord`), so a stream that waited for one replay is not
+//!   made to wait for a later one. A host wait that took the event before a later launch may
+//!   wait for that later replay too (more, never less; it is bounded as that replay is). What
+//!   must tell replays apart (the in-flight bound, the watchdog's deadline) uses the host event
+//!   an NCCL graph records after every fourth replay; the watchdog reads the graph's event as
+//!   "the latest replay" only, and no list of what an NCCL operation waits behind holds it
+//!   (see the engine).
 //! - **Buffers: the graph refers, the buffer owns.** A graph holds each buffer's tracker, not its
 //!   memory. Dropping a buffer frees the memory after every use queued so far (replays
 //!   included) and retires the tracker; a later replay of a graph that uses it is refused
@@ -55,12 +83,12 @@
 //! (`NCCL_GRAPH_MIXING_SUPPORT=0` turns that support off); handoff has not seen it (the tests
 //! launch two communicators' graphs from one thread), and cannot bound such a wait inside CUDA.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::device::{Device, Origin, PooledEvent};
-use crate::engine::{self, CaptureState, Keep, Tracked, TrackedUse, Work};
+use crate::engine::{self, CaptureState, Captured, Keep, Replay, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::nccl::Communicator;
 use crate::result as cu;
@@ -105,9 +133,17 @@ pub struct Graph {
     _keep: Vec<Keep>,
     /// The graph's own communicator, for graphs with NCCL operations. Dropped after `exec`.
     comm: Option<Communicator>,
-    /// Events after this graph's replays not yet seen complete, oldest first (NCCL graphs):
-    /// at most [`MAX_REPLAYS_IN_FLIGHT`].
-    in_flight: RefCell<VecDeque<Arc<PooledEvent>>>,
+    /// Recorded by every replay, on the GPU, as its last node (`cudaEventRecordExternal` at
+    /// the end of the capture): the tracking event of the latest replay launched, which a
+    /// launch stores as the latest use of the graph's buffers without recording anything.
+    replayed: Arc<PooledEvent>,
+    /// Replays launched so far (NCCL graphs), and how many of them are known complete.
+    launches: Cell<u64>,
+    completed: Cell<u64>,
+    /// Host events recorded after every [`CHECKPOINT`]th replay (NCCL graphs), not yet seen
+    /// complete, oldest first, each with the number of the replay it follows: fixed points of
+    /// the stream, which the graph's own event (always the latest replay) is not.
+    in_flight: RefCell<VecDeque<(u64, Arc<PooledEvent>)>>,
     /// For graphs with NCCL operations: what a replay's tracking event asks at a host read
     /// whether the replay was cut short (a replay's output depends on every other rank), made
     /// once for every replay.
@@ -119,6 +155,10 @@ pub struct Graph {
 /// before queueing another: its failure shows within one timeout of the replay that found no
 /// peer, and it does not fill the stream's queue until `cudaGraphLaunch` itself blocks.
 pub const MAX_REPLAYS_IN_FLIGHT: usize = 8;
+
+/// An NCCL graph's launches record a host event after every this many replays (a fixed point
+/// for the in-flight bound and the watchdog), and none after the others.
+const CHECKPOINT: u64 = 4;
 
 /// An instantiated graph, destroyed when the last holder lets go (CUDA frees one still running
 /// once it completes).
@@ -153,30 +193,88 @@ struct Capturing<'s> {
 }
 
 impl Capturing<'_> {
-    /// Ends the capture: the captured graph (or CUDA's error) and what the capture noted.
-    fn end(mut self) -> (Result<crate::sys::cudart::cudaGraph_t>, CaptureState) {
+    /// Ends the capture, with `last` (if given) recorded as the graph's last node, so that
+    /// every replay records it when all its work has completed: the captured graph (or CUDA's
+    /// error) and what the capture noted.
+    fn end(mut self, last: Option<&PooledEvent>) -> (Result<crate::sys::cudart::cudaGraph_t>, Captured) {
         self.ended = true;
-        // Under the stream's order, so that no operation sees the capture state while CUDA no
-        // longer captures (it would run untracked).
+        self.finish(last)
+    }
+
+    /// Joins every stream joined to the capture back into the one it began on (after all their
+    /// work), records `last` there, ends the capture, then clears the capture state of every
+    /// stream of it. The end is under the stream's order; the joined streams' states are
+    /// cleared after it, each under its own order alone (no two stream orders are held at
+    /// once, so no lock order is needed): until then another thread's work there is refused,
+    /// and the capture thread is here, so no operation sees a capture that CUDA does not
+    /// have, nor the other way round.
+    fn finish(&self, last: Option<&PooledEvent>) -> (Result<crate::sys::cudart::cudaGraph_t>, Captured) {
         let mut held = self.stream.order().hold();
+        let state = held.clone().unwrap_or_default();
+        let mut captured = state.lock();
+        let mut joined = Ok(());
+        let mut joins = Vec::with_capacity(captured.forked.len());
+        for f in &captured.forked {
+            let join = self.stream.device().take_event().and_then(|e| {
+                // SAFETY: the fork's handle is live (its stream, or parked only after this),
+                // of this device, and captured by this thread; the event is the pool's.
+                unsafe { cu::event_record(e.raw, f.raw) }?;
+                // SAFETY: as above; the capture's stream is live and captured here.
+                unsafe { cu::stream_wait_event(self.stream.as_raw(), e.raw) }?;
+                Ok(e)
+            });
+            match join {
+                Ok(e) => joins.push(e),
+                Err(e) => joined = joined.and(Err(e)),
+            }
+        }
+        // After every captured operation (on this stream, or joined back into it), under the
+        // order: nothing comes between it and the end.
+        let recorded = joined.and_then(|()| {
+            last.map_or(Ok(()), |e| {
+                // SAFETY: the event is live and of the stream's device (taken from its pool);
+                // this thread is capturing the live stream.
+                unsafe { cu::event_record_external(e.raw, self.stream.as_raw()) }
+            })
+        });
         // SAFETY: this thread began capturing the live stream in `Graph::capture_inner`.
         let graph = unsafe { cu::stream_end_capture(self.stream.as_raw()) };
-        (graph, held.take().unwrap_or_default())
+        let graph = match (recorded, graph) {
+            (Ok(()), graph) => graph,
+            (Err(e), graph) => {
+                if let Ok(g) = graph {
+                    // SAFETY: just captured, owned here, not instantiated.
+                    let _ = unsafe { cu::graph_destroy(g) };
+                }
+                Err(e)
+            }
+        };
+        let out = std::mem::take(&mut *captured);
+        captured.ended = true;
+        drop(captured);
+        held.take();
+        drop(held);
+        for f in &out.forked {
+            let mut theirs = f.order.hold();
+            if theirs.as_ref().is_some_and(|c| CaptureState::same(c, &state)) {
+                theirs.take();
+            }
+            if f.dropped {
+                self.stream.device().park_stream(f.raw);
+            }
+        }
+        (graph, out)
     }
 }
 
 impl Drop for Capturing<'_> {
     fn drop(&mut self) {
         if !self.ended {
-            // A panic in the closure: end the capture and throw the graph away, under the
-            // stream's order as in `end`.
-            let mut held = self.stream.order().hold();
-            // SAFETY: as in `end`.
-            if let Ok(g) = unsafe { cu::stream_end_capture(self.stream.as_raw()) } {
+            // A panic in the closure: end the capture and throw the graph away.
+            if let (Ok(g), _) = self.finish(None) {
                 // SAFETY: just captured, owned here, not instantiated.
                 let _ = unsafe { cu::graph_destroy(g) };
             }
-            held.take();
         }
     }
 }
@@ -185,11 +283,20 @@ impl Graph {
     /// Captures the tracked work `body` queues on `stream` into a graph, and instantiates it.
     /// Nothing runs during the capture; [`Graph::launch`] runs it.
     ///
-    /// Inside `body`, queue work on `stream` only (kernels, copies between device buffers,
-    /// fills); other streams run eagerly as usual. Refused with [`Error::Capture`] (and the
-    /// capture thrown away if `body` passes the error on): allocation, copies from or to host
-    /// memory, [`Stream::record`]/[`Stream::wait`], an operation spanning several streams, and
-    /// NCCL (see [`Graph::capture_with`]).
+    /// Inside `body`, queue work on `stream` (kernels, copies between device buffers, fills);
+    /// other streams run eagerly as usual, unless they join the capture: a stream of the same
+    /// device that waits ([`Stream::wait`]) for an [`crate::Event`] recorded on `stream` (or on
+    /// a stream already joined) inside the capture is part of it from then on, as in CUDA's
+    /// cross-stream capture. Its work is captured and ordered like eager work: after the point
+    /// it waited for, and after the capture's conflicting uses of the same buffers on the
+    /// capture's other streams (handoff records and waits for events inside the capture, which
+    /// become edges of the graph). When `body` returns, every joined stream is joined back
+    /// into `stream`, so a replay on `stream` runs all of it, and the joined streams run
+    /// eagerly again. Refused with [`Error::Capture`] (and the capture thrown away if `body`
+    /// passes the error on): allocation, copies from or to host memory, an operation spanning
+    /// a stream of the capture and one outside it, waiting inside the capture for an event
+    /// recorded outside it, a stream of another device joining, work of another thread on a
+    /// stream of the capture, and NCCL (see [`Graph::capture_with`]).
     ///
     /// # Errors
     /// [`Error::Capture`] if the stream is already being captured (by handoff or anyone else);
@@ -201,7 +308,8 @@ impl Graph {
 
     /// As [`Graph::capture`], with NCCL operations on `comm`, which the graph owns from now on
     /// (it is dropped with the graph, or at once if the capture fails). `body` gets it back by
-    /// reference to queue sends, receives, collectives and groups on `stream`; they are
+    /// reference to queue sends, receives, collectives and groups on `stream` (or on streams
+    /// joined to the capture); they are
     /// verified across ranks now, as eager ones are, and replayed without being checked again.
     /// Every rank must capture the same NCCL operations on this communicator, and replay the
     /// graph as often as the others: a rank left waiting is aborted by the watchdog after the
@@ -228,6 +336,7 @@ impl Graph {
         body: impl FnOnce(&Stream, Option<&Communicator>) -> Result<()>,
     ) -> Result<Graph> {
         stream.device().set_current()?;
+        let replayed = stream.device().take_replayed_event()?;
         {
             let mut state = stream.order().hold();
             if state.is_some() {
@@ -248,18 +357,17 @@ impl Graph {
             // that the function's contract leaves to handoff: the capture state set below, under
             // the same lock, sends every tracked operation on the stream to the capture branch.
             unsafe { cu::stream_begin_capture(stream.as_raw()) }?;
-            *state = Some(CaptureState {
-                comm: comm.as_ref().map(Communicator::key),
-                thread: Some(std::thread::current().id()),
-                ..CaptureState::default()
-            });
+            *state = Some(CaptureState::new(
+                stream.device(),
+                comm.as_ref().map(Communicator::key),
+            ));
         }
         let capturing = Capturing { stream, ended: false };
         let ran = {
             let _here = engine::CapturingHere::enter();
             body(stream, comm.as_ref())
         };
-        let (graph, state) = capturing.end();
+        let (graph, captured) = capturing.end(ran.is_ok().then_some(&*replayed));
         let graph = match (ran, graph) {
             (Ok(()), Ok(g)) => g,
             (ran, graph) => {
@@ -277,7 +385,7 @@ impl Graph {
         let _ = unsafe { cu::graph_destroy(graph) };
         let exec = Exec(exec?);
         // In the engine's lock order (by key) once, so that a replay sorts nothing.
-        let mut uses = state.uses.uses().to_vec();
+        let mut uses = captured.uses.uses().to_vec();
         uses.sort_by_key(|(t, _)| t.key());
         let origin = comm
             .as_ref()
@@ -289,9 +397,14 @@ impl Graph {
             device: stream.device().clone(),
             captured_on: stream.id(),
             uses,
-            _keep: state.keep,
+            _keep: captured.keep,
             comm,
-            in_flight: RefCell::new(VecDeque::with_capacity(MAX_REPLAYS_IN_FLIGHT)),
+            replayed,
+            launches: Cell::new(0),
+            completed: Cell::new(0),
+            in_flight: RefCell::new(VecDeque::with_capacity(
+                MAX_REPLAYS_IN_FLIGHT / CHECKPOINT as usize + 1,
+            )),
             origin,
         })
     }
@@ -329,7 +442,11 @@ impl Graph {
                 // Still noted as the stream's latest work (see `Stream::enqueue_work`).
                 return stream.enqueue_work(&[], work, launch);
             }
-            return engine::enqueue(&uses, work, |_| launch(stream.as_raw()), |_, _, _| {});
+            let replay = Replay {
+                event: &self.replayed,
+                checkpoint: false,
+            };
+            return engine::enqueue_replay(&uses, work, replay, |_| launch(stream.as_raw()), |_, _, _| {});
         };
         if stream.id() != self.captured_on {
             return Err(Error::InvalidArgument(
@@ -340,9 +457,18 @@ impl Graph {
         }
         self.bound_in_flight(comm)?;
         let key = [comm.key()];
-        engine::enqueue(
+        let n = self.launches.get() + 1;
+        // Counted whatever happens below: a replay counted but not launched only makes the
+        // in-flight bound wait sooner.
+        self.launches.set(n);
+        let replay = Replay {
+            event: &self.replayed,
+            checkpoint: n.is_multiple_of(CHECKPOINT),
+        };
+        engine::enqueue_replay(
             &uses,
             Work::Nccl { comms: &key },
+            replay,
             |current| {
                 comm.check_usable()?;
                 // A graph of kernels is launched as CUDA work is, on the current device.
@@ -358,44 +484,56 @@ impl Graph {
             |_, event, before| {
                 let origin = self.origin.as_ref().expect("made with the communicator");
                 comm.note_pending_from(event, before, origin);
-                self.in_flight.borrow_mut().push_back(event.clone());
+                if !event.is_replayed() {
+                    self.in_flight.borrow_mut().push_back((n, event.clone()));
+                }
             },
         )
     }
 
-    /// With [`MAX_REPLAYS_IN_FLIGHT`] replays queued, forgets those seen complete, and waits for
-    /// the oldest if none is; below that, asks nothing. The replays run one after another on
-    /// the one stream the graph replays on, so the newest complete means all are: it is asked
-    /// first. The wait has no deadline of its own: the communicator's watchdog counts one for
-    /// that replay from when it could start, as for any NCCL work, and past it aborts the
-    /// communicator, which ends the replay (and this wait, with the abort's error).
+    /// With [`MAX_REPLAYS_IN_FLIGHT`] replays launched and not known complete, finds out which
+    /// have completed, and if none of them has, waits for the oldest checkpoint; below that,
+    /// asks nothing. The replays run one after another on the one stream the graph replays on,
+    /// so the latest complete means all are: the graph's own event, which always stands for the
+    /// latest replay, is asked first, then the checkpoints, oldest first. Checkpoints come
+    /// every [`CHECKPOINT`] replays, so with 8 not known complete the oldest of them is at most
+    /// 7 replays back; once it has completed, at most 7 are in flight. The wait has no deadline
+    /// of its own: the communicator's watchdog counts one for those replays, as for any NCCL
+    /// work, and past it aborts the communicator, which ends them (and this wait, with the
+    /// abort's error).
     fn bound_in_flight(&self, comm: &Communicator) -> Result<()> {
+        let launched = self.launches.get();
+        if launched - self.completed.get() < MAX_REPLAYS_IN_FLIGHT as u64 {
+            return Ok(());
+        }
         let mut in_flight = self.in_flight.borrow_mut();
-        if in_flight.len() < MAX_REPLAYS_IN_FLIGHT {
-            return Ok(());
-        }
-        let newest = in_flight.back().expect("full");
         // SAFETY: the event is kept alive by the Arc.
-        if unsafe { cu::event_query(newest.raw) }? {
+        if unsafe { cu::event_query(self.replayed.raw) }? {
             in_flight.clear();
+            self.completed.set(launched);
             return Ok(());
         }
-        while let Some(oldest) = in_flight.front() {
+        while let Some((n, oldest)) = in_flight.front() {
             // SAFETY: the event is kept alive by the Arc.
             if !unsafe { cu::event_query(oldest.raw) }? {
                 break;
             }
+            self.completed.set(*n);
             in_flight.pop_front();
         }
-        if in_flight.len() < MAX_REPLAYS_IN_FLIGHT {
+        if launched - self.completed.get() < MAX_REPLAYS_IN_FLIGHT as u64 {
             return Ok(());
         }
-        let oldest = in_flight.pop_front().expect("full");
+        // No checkpoint (one that could not be recorded): the latest replay.
+        let (n, oldest) = in_flight
+            .pop_front()
+            .unwrap_or_else(|| (launched, self.replayed.clone()));
         // SAFETY: as above.
         while !unsafe { cu::event_query(oldest.raw) }? {
             comm.check_usable()?;
             std::thread::sleep(std::time::Duration::from_micros(50));
         }
+        self.completed.set(n);
         Ok(())
     }
 

@@ -37,7 +37,10 @@
 //! unrelated kernels. So handoff caches it, as PyTorch does: dropping a buffer hands its memory,
 //! rounded up to a power of two (at least 512 bytes), to a per-device cache, and a new buffer of
 //! that size class on the device reuses it once every copy that used it has completed (asked
-//! without blocking; until then a new allocation is made). Only [`release_cached`] gives cached
+//! without blocking; until then a new allocation is made). A size class up to 4 MiB is
+//! allocated eight blocks (at least 1 MiB, at most 32 MiB) at a time, the others cached idle,
+//! so that most new buffers make no `cudaMallocHost` call (one can wait behind other threads'
+//! GPU work); such a slab is freed only whole. Only [`release_cached`] gives cached
 //! memory back to the system (it blocks, and synchronises the device); [`cached_bytes`] says how
 //! much is held. Allocate large buffers once and reuse them; call [`release_cached`] when a
 //! phase that used much pinned memory is over and the device is idle.
@@ -152,7 +155,15 @@ impl<T: Pod> HostBuffer<T> {
                     // The allocation belongs to the context of the current device (and, with
                     // unified addressing, every device can use it).
                     device.set_current()?;
-                    cu::malloc_host(class)?.cast::<T>()
+                    match pool::slab(class) {
+                        // Several blocks in one call, the others cached idle (no copy ever
+                        // used them).
+                        Some(slab) => {
+                            let addr = cu::malloc_host(slab)? as usize;
+                            pool_of(device, |p| p.cut(addr, slab, class)).addr as *mut T
+                        }
+                        None => cu::malloc_host(class)?.cast::<T>(),
+                    }
                 }
             };
             if !ptr.is_aligned() {
@@ -347,7 +358,15 @@ fn pool_of<R>(device: &Device, f: impl FnOnce(&mut Pool<Arc<PooledEvent>>) -> R)
 /// Caches the block at `addr` of `bytes`, used by no buffer any more, with the events of the
 /// copies that may still use it.
 fn give_back(device: &Device, addr: usize, bytes: usize, pending: Vec<Arc<PooledEvent>>) {
-    pool_of(device, |p| p.give(Block { addr, bytes, pending }));
+    pool_of(device, |p| {
+        let slab = p.slab_of(addr);
+        p.give(Block {
+            addr,
+            slab,
+            bytes,
+            pending,
+        })
+    });
 }
 
 /// The bytes of pinned memory that dropped [`HostBuffer`]s of `device`'s ordinal left in its

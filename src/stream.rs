@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytemuck::Pod;
 
 use crate::device::{Device, PooledEvent};
-use crate::engine::{self, StreamState, Tracked, TrackedUse, Work};
+use crate::engine::{self, CaptureState, StreamState, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::result as cu;
 use crate::sys::cudart::{cudaEvent_t, cudaStream_t};
@@ -27,7 +27,7 @@ pub struct Stream {
     device: Device,
     /// Serialises recording tracking events here with storing them (see [`RecordOrder`]), and
     /// holds the graph capture under way here, if any.
-    order: RecordOrder<StreamState>,
+    order: Arc<RecordOrder<StreamState>>,
     /// The newest tracking event recorded here, and the newest after an NCCL operation.
     last: Mutex<Last>,
     /// For a stream that belongs to someone else (cudarc's): what keeps its handle alive. Such
@@ -64,6 +64,22 @@ impl std::fmt::Debug for Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        // Joined to a capture under way: CUDA captures the handle until the capture ends, so it
+        // is parked (or let go of) only then (see `Graph`'s end of capture).
+        if let Some(capture) = self.order.hold().as_ref() {
+            let mut shared = capture.lock();
+            if let Some(fork) = shared
+                .forked
+                .iter_mut()
+                .find(|f| Arc::ptr_eq(&f.order, &self.order))
+            {
+                fork.dropped = self.owner.is_none();
+                if self.owner.is_some() {
+                    wrapped_handles().retain(|&h| h != self.raw as usize);
+                }
+                return;
+            }
+        }
         // Trackers refer to this stream's work by event and by a StreamId that is never
         // reused, never by handle, so handing the handle to a later Stream is safe.
         if self.owner.is_none() {
@@ -85,7 +101,7 @@ impl Stream {
             raw,
             id: StreamId::fresh(),
             device: device.clone(),
-            order: RecordOrder::default(),
+            order: Arc::default(),
             last: Mutex::default(),
             owner: None,
         })
@@ -98,7 +114,7 @@ impl Stream {
             raw: std::ptr::null_mut(),
             id: StreamId::fresh(),
             device: device.clone(),
-            order: RecordOrder::default(),
+            order: Arc::default(),
             last: Mutex::default(),
             owner: None,
         }
@@ -133,7 +149,7 @@ impl Stream {
             raw,
             id: StreamId::fresh(),
             device: device.clone(),
-            order: RecordOrder::default(),
+            order: Arc::default(),
             last: Mutex::default(),
             owner: Some(owner),
         })
@@ -213,37 +229,98 @@ impl Stream {
 
     /// Records `event` here: it completes when the work queued so far has.
     ///
+    /// Inside a [`crate::Graph`] capture on this stream (by this thread), the record is part of
+    /// the graph: a stream that then waits for the event joins the capture (see
+    /// [`Stream::wait`]), as CUDA's cross-stream capture does.
+    ///
     /// # Errors
     /// [`Error::InvalidArgument`] if the event belongs to another device; [`Error::Capture`]
-    /// while a graph is being captured here (by handoff, or through cudarc on a stream wrapped
-    /// from it); CUDA errors.
+    /// while another thread captures a graph here, or through cudarc on a stream wrapped from
+    /// it; CUDA errors.
     pub fn record(&self, event: &Event) -> Result<()> {
         self.check_device(&event.device, "the event")?;
-        self.outside_capture(
-            "recording an Event (a graph's replays are tracked by handoff)",
-            || {
-                // Recorded into someone else's capture, the event would be a node of their
-                // graph, and a stream waiting for it would be drawn into the capture.
-                self.check_not_captured_elsewhere()?;
-                // SAFETY: both handles are live and of the same device.
-                unsafe { cu::event_record(event.raw, self.raw) }
-            },
-        )
+        let held = self.order.hold();
+        // Held across the record, so that the mark says where CUDA's last record was made.
+        let mut mark = event.mark();
+        if let Some(capture) = held.as_ref() {
+            capture.admit(false, Work::Cuda { keep: None })?;
+            // SAFETY: both handles are live and of the same device; the stream is captured by
+            // this thread, so the record is a point of the capture.
+            unsafe { cu::event_record(event.raw, self.raw) }?;
+            *mark = Some(capture.clone());
+            return Ok(());
+        }
+        // Recorded into someone else's capture, the event would be a node of their graph, and
+        // a stream waiting for it would be drawn into the capture.
+        self.check_not_captured_elsewhere()?;
+        // SAFETY: both handles are live and of the same device.
+        unsafe { cu::event_record(event.raw, self.raw) }?;
+        *mark = None;
+        Ok(())
     }
 
     /// Makes work queued here after this call wait, on the GPU, for `event`'s last record. The
     /// host does not block. The event may belong to another device.
     ///
+    /// If the event was last recorded inside a [`crate::Graph`] capture (by the thread running
+    /// it), this stream joins the capture: its later work is part of the graph, ordered after
+    /// that point, and is joined back into the captured stream when the capture ends, so that
+    /// each replay runs it. A stream of the capture that waits for an event recorded in it
+    /// orders its later work after that point of the graph.
+    ///
     /// # Errors
-    /// [`Error::Capture`] while a graph is being captured here; CUDA errors.
+    /// [`Error::Capture`]: inside a capture, for an event recorded outside it; for an event
+    /// recorded in a capture that has ended, or in another thread's; for a stream of another
+    /// device than the capture's, or captured by cudarc. CUDA errors.
     pub fn wait(&self, event: &Event) -> Result<()> {
-        self.outside_capture(
-            "waiting for an Event (a graph's replays are tracked by handoff)",
-            || {
+        let mut held = self.order.hold();
+        let mark = event.mark();
+        let live = mark.as_ref().filter(|c| !c.lock().ended);
+        match (held.as_ref(), live) {
+            (Some(mine), Some(theirs)) if CaptureState::same(mine, theirs) => {
+                mine.admit(false, Work::Cuda { keep: None })?;
+                // SAFETY: both handles are live; the event was recorded in this capture, so
+                // the wait is an edge of the graph.
+                unsafe { cu::stream_wait_event(self.raw, event.raw) }
+            }
+            (Some(_), _) => Err(engine::capture_error(
+                "inside a graph's capture, a stream can wait only for an Event recorded in the \
+                 same capture (the graph cannot wait for work outside it): record it inside, or \
+                 wait before the capture",
+            )),
+            (None, Some(theirs)) => {
+                theirs.admit(false, Work::Cuda { keep: None })?;
+                let mut shared = theirs.lock();
+                if !shared.device.as_ref().is_some_and(|d| d.same(&self.device)) {
+                    return Err(engine::capture_error(
+                        "a stream of another device cannot join this graph's capture: capture \
+                         each device's work into a graph of its own",
+                    ));
+                }
+                self.check_not_captured_elsewhere()?;
+                // SAFETY: both handles are live; the event was recorded in a capture this
+                // thread runs, so the stream joins it (CUDA's cross-stream capture), which the
+                // state set below, under this stream's order, tells every tracked operation.
+                unsafe { cu::stream_wait_event(self.raw, event.raw) }?;
+                shared.forked.push(engine::Fork {
+                    raw: self.raw,
+                    order: self.order.clone(),
+                    dropped: false,
+                    _owner: self.owner.clone(),
+                });
+                drop(shared);
+                *held = Some(theirs.clone());
+                Ok(())
+            }
+            (None, None) if mark.is_some() => Err(engine::capture_error(
+                "this Event was last recorded inside a graph's capture, which has ended: record \
+                 it again outside a capture before waiting for it",
+            )),
+            (None, None) => {
                 // SAFETY: both handles are live; cross-device waits are allowed.
                 unsafe { cu::stream_wait_event(self.raw, event.raw) }
-            },
-        )
+            }
+        }
     }
 
     pub(crate) fn check_device(&self, other: &Device, what: &str) -> Result<()> {
@@ -337,7 +414,7 @@ impl Stream {
             // Captured: nothing runs now, so nothing to record.
             capture.admit(false, work)?;
             if let Work::Cuda { keep } = work {
-                capture.keep.extend(keep.cloned());
+                capture.lock().keep.extend(keep.cloned());
             }
             return op(self.raw);
         }
@@ -494,6 +571,10 @@ pub struct Event {
     raw: cudaEvent_t,
     device: Device,
     timing: bool,
+    /// The graph capture its last record was made in, if it was; held across every record
+    /// and wait through handoff, so that it says where CUDA's last record is (a wait for an
+    /// event recorded in a capture joins the capture).
+    captured: Mutex<Option<CaptureState>>,
 }
 
 // SAFETY: CUDA events may be used from any host thread.
@@ -541,7 +622,12 @@ impl Event {
             raw,
             device: device.clone(),
             timing,
+            captured: Mutex::new(None),
         })
+    }
+
+    fn mark(&self) -> MutexGuard<'_, Option<CaptureState>> {
+        self.captured.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Blocks the host until the work before the last record has completed.

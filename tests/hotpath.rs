@@ -353,9 +353,10 @@ fn unverified_self_group(stubs: &Stubs) -> Result<(), Failed> {
 /// recorded after it. Nothing else: the stream is handoff's own, so no capture but handoff's
 /// can be under way on it (its capture state is in the stream's lock); NCCL sets the device
 /// itself, and waits and records take theirs from the stream.
-/// Allocations: the tracking event's `Arc` alone (the engine's, the group's and verification's
-/// lists are inline, the local checks compare without collecting, and the watchdog's note
-/// shares the last operation's origin).
+/// No allocation: the tracking event is taken from the pool, `Arc` and all, once nothing holds
+/// it (the watchdog has let go of it), and the engine's, the group's and verification's lists
+/// are inline, the local checks compare without collecting, and the watchdog's note shares the
+/// last operation's origin.
 const SELF_GROUP: Expected = Expected {
     calls: &[
         ("cudaEventRecord", OPS),
@@ -364,13 +365,13 @@ const SELF_GROUP: Expected = Expected {
         ("ncclRecv", OPS),
         ("ncclSend", OPS),
     ],
-    allocs: OPS,
+    allocs: 0,
 };
 
 /// As verified: verification allocates nothing of its own.
 const UNVERIFIED_SELF_GROUP: Expected = Expected {
     calls: SELF_GROUP.calls,
-    allocs: OPS,
+    allocs: 0,
 };
 
 /// A verified all_reduce over one rank.
@@ -386,8 +387,7 @@ fn all_reduce(stubs: &Stubs) -> Result<(), Failed> {
     check("verified all_reduce", &got, &ALL_REDUCE)
 }
 
-/// As a self group, with ncclAllReduce in place of the send and receive; allocations: the
-/// event's `Arc` alone.
+/// As a self group, with ncclAllReduce in place of the send and receive; no allocation.
 const ALL_REDUCE: Expected = Expected {
     calls: &[
         ("cudaEventRecord", OPS),
@@ -395,7 +395,7 @@ const ALL_REDUCE: Expected = Expected {
         ("ncclGroupEnd", OPS),
         ("ncclGroupStart", OPS),
     ],
-    allocs: OPS,
+    allocs: 0,
 };
 
 /// `kernels::produce`: one kernel writing one buffer.
@@ -408,15 +408,16 @@ fn produce(stubs: &Stubs) -> Result<(), Failed> {
 }
 
 /// The launch and one tracking event after it; the current device, asked (a kernel runs on
-/// it), and set only when it differs. One allocation: the tracking event's `Arc` (the
-/// builder's arguments and the engine's lists are inline).
+/// it), and set only when it differs. No allocation: the tracking event is the pool's (the
+/// previous launch's, let go of as this one's replaces it in the tracker, after a few more),
+/// the builder's arguments and the engine's lists are inline.
 const PRODUCE: Expected = Expected {
     calls: &[
         ("cudaEventRecord", OPS),
         ("cudaGetDevice", OPS),
         ("cudaLaunchKernel", OPS),
     ],
-    allocs: OPS,
+    allocs: 0,
 };
 
 /// A replay of a graph of one kernel.
@@ -429,15 +430,12 @@ fn kernel_graph(stubs: &Stubs) -> Result<(), Failed> {
     check("graph launch (one kernel)", &got, &KERNEL_GRAPH)
 }
 
-/// The launch and one tracking event after it; the current device, asked. One allocation: the
-/// tracking event's `Arc`.
+/// The launch alone, and the current device, asked: the replay records the graph's own
+/// tracking event itself (an event record node), which the launch stores (an `Arc` clone):
+/// no event record, no allocation.
 const KERNEL_GRAPH: Expected = Expected {
-    calls: &[
-        ("cudaEventRecord", OPS),
-        ("cudaGetDevice", OPS),
-        ("cudaGraphLaunch", OPS),
-    ],
-    allocs: OPS,
+    calls: &[("cudaGetDevice", OPS), ("cudaGraphLaunch", OPS)],
+    allocs: 0,
 };
 
 /// A replay of a graph of one self send+receive group on the graph's own communicator.
@@ -459,18 +457,186 @@ fn nccl_graph(stubs: &Stubs) -> Result<(), Failed> {
     check("graph launch (self send+receive)", &got, &NCCL_GRAPH)
 }
 
-/// The launch and one tracking event after it; the current device, asked; the in-flight bound, which asks the newest replay's event only once 8 replays are in flight
-/// (every 8th launch here, where each is seen complete). One allocation: the event's `Arc` (the
-/// replay's origin is the graph's, made at capture).
+/// The launch, and the current device, asked; the graph's own event, recorded by the replay,
+/// stored with no call; a host event (a fixed point for the watchdog and the in-flight bound)
+/// after every 4th replay, from the pool (no allocation); the in-flight bound, which asks
+/// the graph's event (the latest replay) only once 8 replays are not known complete (every 8th
+/// launch here, where each is seen complete). The replay's origin is the graph's, made at
+/// capture.
 const NCCL_GRAPH: Expected = Expected {
     calls: &[
         ("cudaEventQuery", OPS / 8),
-        ("cudaEventRecord", OPS),
+        ("cudaEventRecord", OPS / 4),
         ("cudaGetDevice", OPS),
         ("cudaGraphLaunch", OPS),
     ],
-    allocs: OPS,
+    allocs: 0,
 };
+
+/// An all_reduce on a stream whose previous work is a kernel graph's replay (the graph's event,
+/// the latest replay, is the stream's last work).
+fn all_reduce_after_a_replay(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let comm = &Communicator::init_all(std::slice::from_ref(&dev))?[0];
+    let s = Stream::new(&dev)?;
+    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
+    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let mut z = DeviceBuffer::<f32>::zeros(&s, 4)?;
+    let graph = Graph::capture(&s, |s| kernels::produce(s, &mut z, 1))?;
+    let got = measure(stubs, Watched::WhileRunning, |_| {
+        graph.launch(&s)?;
+        comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
+    });
+    check("graph launch then all_reduce", &got, &REPLAY_THEN_ALL_REDUCE)
+}
+
+/// The replay as [`KERNEL_GRAPH`] and the all_reduce as [`ALL_REDUCE`], and one event more
+/// (the pool's), recorded before the all_reduce: the watchdog's deadline for the all_reduce
+/// counts from that fixed point, never from the graph's event, which a later replay (perhaps
+/// waiting behind the all_reduce) would record again.
+const REPLAY_THEN_ALL_REDUCE: Expected = Expected {
+    calls: &[
+        ("cudaEventRecord", 2 * OPS),
+        ("cudaGetDevice", OPS),
+        ("cudaGraphLaunch", OPS),
+        ("ncclAllReduce", OPS),
+        ("ncclGroupEnd", OPS),
+        ("ncclGroupStart", OPS),
+    ],
+    allocs: 0,
+};
+
+/// The article's Figure 3 round captured across two streams: A on the captured stream `p`, a
+/// fork (an event recorded there, waited for by `c`), the send and receive on `c`, C and then
+/// B (which reads what was received) on `p`; replayed. Inside the capture handoff orders the
+/// capture's conflicting uses across its streams through events recorded into it: the counts
+/// of the capture thread's `cudaStreamWaitEvent` say which waits (graph edges) it made. And
+/// what stays refused.
+fn capture_across_streams(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let comm = Communicator::init_all(std::slice::from_ref(&dev))?
+        .pop()
+        .expect("one rank");
+    let (p, c, q) = (Stream::new(&dev)?, Stream::new(&dev)?, Stream::new(&dev)?);
+    let mut a = DeviceBuffer::<f32>::zeros(&p, 4)?;
+    let mut x = DeviceBuffer::<f32>::zeros(&c, 4)?;
+    let mut y = DeviceBuffer::<f32>::zeros(&p, 4)?;
+    let outside = handoff::Event::without_timing(&dev)?;
+    q.record(&outside)?;
+    let fork = handoff::Event::without_timing(&dev)?;
+    let waits = || {
+        stubs
+            .snapshot()
+            .calls
+            .get("cudaStreamWaitEvent")
+            .copied()
+            .unwrap_or(0)
+    };
+    let mut inside = Vec::new();
+    let mut dropped_handle = None;
+    let mut reused = false;
+    let w0 = waits();
+    let graph = Graph::capture_with(&p, comm, |p, comm| {
+        kernels::produce(p, &mut a, 1)?;
+        p.record(&fork)?;
+        // Inside the capture, no wait for what is outside it.
+        inside.push(("a wait for an event recorded outside", p.wait(&outside).err()));
+        c.wait(&fork)?;
+        // Joined: another thread's work there is refused, and so is its joining.
+        std::thread::scope(|t| {
+            let other = t
+                .spawn(|| kernels::produce(&c, &mut x, 9).err())
+                .join()
+                .expect("thread");
+            inside.push(("another thread's work on a joined stream", other));
+            let join = t.spawn(|| q.wait(&fork).err()).join().expect("thread");
+            inside.push(("another thread joining", join));
+        });
+        // A joined stream dropped inside the capture: its handle is not handed out again
+        // before the capture ends (CUDA captures it until then).
+        let t = Stream::new(p.device())?;
+        t.wait(&fork)?;
+        dropped_handle = Some(t.as_raw() as usize);
+        drop(t);
+        let u = Stream::new(p.device())?;
+        reused = Some(u.as_raw() as usize) == dropped_handle;
+        group(|g| {
+            g.send(comm, &a, 0, &c)?;
+            g.recv(comm, &mut x, 0, &c)
+        })?;
+        kernels::busy(p, Duration::ZERO)?;
+        kernels::twice(p, &x, &mut y)
+    })?;
+    let captured_waits = waits() - w0;
+    if reused {
+        return Err("a dropped joined stream's handle was handed out during the capture".into());
+    }
+    // Parked once the capture has ended.
+    if Some(Stream::new(&dev)?.as_raw() as usize) != dropped_handle {
+        return Err("a dropped joined stream's handle must be parked once the capture ends".into());
+    }
+    for (what, refused) in inside {
+        match refused {
+            Some(handoff::Error::Capture { .. }) => {}
+            other => {
+                return Err(format!("{what}: must be refused with Error::Capture, got {other:?}").into());
+            }
+        }
+    }
+    // The forks (c, and the dropped one) and the edges: c's send waits for A (a's write on p),
+    // B for the receive (x's write on c), and both forks are joined back into p at the end.
+    println!("capture across streams: {captured_waits} waits inside the capture");
+    if captured_waits != 6 {
+        return Err(format!(
+            "expected 6 waits inside the capture (2 forks, A before the send, the receive before \
+             B, 2 joins), got {captured_waits}"
+        )
+        .into());
+    }
+    for _ in 0..3 {
+        graph.launch(&p)?;
+    }
+    // After the capture: c runs eagerly again, and the fork event must be recorded anew.
+    kernels::produce(&c, &mut x, 2)?;
+    match q.wait(&fork) {
+        Err(handoff::Error::Capture { detail }) if detail.contains("has ended") => {}
+        other => return Err(format!("a wait for an event of an ended capture: {other:?}").into()),
+    }
+    // An operation spanning the capture's stream and one outside it.
+    let comm2 = Communicator::init_all(std::slice::from_ref(&dev))?
+        .pop()
+        .expect("one rank");
+    let spanning = Graph::capture_with(&p, comm2, |p, comm| {
+        group(|g| {
+            g.send(comm, &a, 0, p)?;
+            g.recv(comm, &mut x, 0, &c)
+        })
+    });
+    match spanning {
+        Err(handoff::Error::Capture { .. }) => Ok(()),
+        other => Err(format!("a group spanning a captured stream and another: {other:?}").into()),
+    }
+}
+
+/// Pinned host buffers of a small size class, 16 alive at once: one `cudaMallocHost` (a slab
+/// of the class), the other 15 cut from it.
+fn pinned_slabs(stubs: &Stubs) -> Result<(), Failed> {
+    let dev = device();
+    let before = stubs.snapshot();
+    let live: Vec<_> = (0..16)
+        .map(|_| handoff::HostBuffer::<f32>::zeros(&dev, 200))
+        .collect::<handoff::Result<_>>()?;
+    let calls = stubs.snapshot().since(&before);
+    let mallocs = calls.calls.get("cudaMallocHost").copied().unwrap_or(0);
+    println!("16 pinned buffers of 800 bytes: {mallocs} cudaMallocHost");
+    drop(live);
+    if mallocs != 1 {
+        return Err(
+            format!("16 small pinned buffers made {mallocs} cudaMallocHost calls, expected 1").into(),
+        );
+    }
+    Ok(())
+}
 
 /// On two (stub) devices: a kernel launch makes its device current when another is (and asks
 /// only, when it is already); an NCCL operation leaves the current device alone; a graph that
@@ -709,6 +875,9 @@ fn main() {
         trial("kernels_produce", produce),
         trial("kernel_graph_launch", kernel_graph),
         trial("nccl_graph_launch", nccl_graph),
+        trial("all_reduce_after_a_replay", all_reduce_after_a_replay),
+        trial("capture_across_streams", capture_across_streams),
+        trial("pinned_slabs", pinned_slabs),
         trial("watchdog_queries", watchdog_queries),
         trial("two_devices", two_devices),
         trial("failed_record_after_nccl_work", failed_record_after_nccl_work),

@@ -7,12 +7,20 @@
 //! is not freed: it comes here as a [`Block`], with the events of the copies that may still
 //! use it, and a new buffer of the same size class takes it once they have all completed. Only
 //! [`super::release_cached`] frees memory.
+//!
+//! `cudaMallocHost` is costly too, and may wait behind other threads' GPU work: a size class up
+//! to [`SLAB_MAX_CLASS`] is allocated a [`slab`] at a time, several blocks of it in one call, the
+//! others cached idle at once, so that most new buffers never call it. A slab is freed only
+//! whole, once every one of its blocks is back and idle.
 
 /// One allocation of pinned memory, idle on the host, with the events of the copies that may
 /// still use it.
 pub(crate) struct Block<E> {
-    /// The address `cudaMallocHost` returned.
+    /// Its address: what `cudaMallocHost` returned, or a part of a slab.
     pub(crate) addr: usize,
+    /// The address `cudaMallocHost` returned for the allocation it is part of (its own, for a
+    /// block allocated alone).
+    pub(crate) slab: usize,
     /// Its size in bytes: a [`class`].
     pub(crate) bytes: usize,
     /// The events recorded after the copies that used it and had not completed when its
@@ -23,12 +31,26 @@ pub(crate) struct Block<E> {
 /// The blocks one device's buffers gave back.
 pub(crate) struct Pool<E> {
     idle: Vec<Block<E>>,
+    /// Each slab's address, size, and how many blocks it was cut into.
+    slabs: Vec<(usize, usize, usize)>,
 }
 
 impl<E> Default for Pool<E> {
     fn default() -> Self {
-        Pool { idle: Vec::new() }
+        Pool {
+            idle: Vec::new(),
+            slabs: Vec::new(),
+        }
     }
+}
+
+/// The largest size class allocated in slabs.
+pub(crate) const SLAB_MAX_CLASS: usize = 4 << 20;
+
+/// The size of the slab a block of size class `class` is allocated in, if it is: eight
+/// blocks, at least 1 MiB, at most 32 MiB.
+pub(crate) fn slab(class: usize) -> Option<usize> {
+    (class <= SLAB_MAX_CLASS).then(|| class.saturating_mul(8).clamp(1 << 20, 32 << 20))
 }
 
 /// The size a request for `bytes` is rounded up to, so that buffers of similar sizes reuse one
@@ -58,9 +80,67 @@ impl<E> Pool<E> {
         self.idle.push(block);
     }
 
-    /// Every cached block, for freeing.
+    /// The slab `addr` is part of: its own address for a block allocated alone.
+    pub(crate) fn slab_of(&self, addr: usize) -> usize {
+        self.slabs
+            .iter()
+            .find(|&&(base, bytes, _)| (base..base + bytes).contains(&addr))
+            .map_or(addr, |&(base, _, _)| base)
+    }
+
+    /// Cuts the slab `cudaMallocHost` returned at `addr`, of `bytes`, into blocks of `class`
+    /// (which divides it): the first is returned, for a new buffer, the others cached idle.
+    pub(crate) fn cut(&mut self, addr: usize, bytes: usize, class: usize) -> Block<E> {
+        let parts = bytes / class;
+        self.slabs.push((addr, bytes, parts));
+        for i in 1..parts {
+            self.give(Block {
+                addr: addr + i * class,
+                slab: addr,
+                bytes: class,
+                pending: Vec::new(),
+            });
+        }
+        Block {
+            addr,
+            slab: addr,
+            bytes: class,
+            pending: Vec::new(),
+        }
+    }
+
+    /// What can be freed: every cached block allocated alone, and every slab all of whose
+    /// blocks are cached (as one block of the slab's size, with all their pending events).
+    /// Blocks of a slab still partly in use stay cached.
     pub(crate) fn drain(&mut self) -> Vec<Block<E>> {
-        std::mem::take(&mut self.idle)
+        let mut out = Vec::new();
+        let (whole, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.slabs)
+            .into_iter()
+            .partition(|&(addr, _, parts)| self.idle.iter().filter(|b| b.slab == addr).count() == parts);
+        self.slabs = rest;
+        for (addr, bytes, _) in whole {
+            let mut pending = Vec::new();
+            self.idle.retain_mut(|b| {
+                if b.slab != addr {
+                    return true;
+                }
+                pending.append(&mut b.pending);
+                false
+            });
+            out.push(Block {
+                addr,
+                slab: addr,
+                bytes,
+                pending,
+            });
+        }
+        let slabs = &self.slabs;
+        let (alone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.idle)
+            .into_iter()
+            .partition(|b| !slabs.iter().any(|&(addr, _, _)| addr == b.slab));
+        self.idle = kept;
+        out.extend(alone);
+        out
     }
 
     /// The bytes cached.
@@ -77,6 +157,7 @@ mod tests {
     fn block(addr: usize, bytes: usize, pending: &[u32]) -> Block<u32> {
         Block {
             addr,
+            slab: addr,
             bytes,
             pending: pending.to_vec(),
         }
@@ -126,6 +207,43 @@ mod tests {
         let mut all: Vec<usize> = pool.drain().iter().map(|b| b.addr).collect();
         all.sort();
         assert_eq!(all, [0x1000, 0x2000, 0x3000]);
+        assert_eq!(pool.bytes(), 0);
+    }
+
+    #[test]
+    fn a_slab_is_cut_into_idle_blocks_and_freed_only_whole() {
+        assert_eq!(slab(512), Some(1 << 20));
+        assert_eq!(slab(4 << 20), Some(32 << 20));
+        assert_eq!(slab(8 << 20), None);
+        let mut pool = Pool::default();
+        let first = pool.cut(0x10_0000, 4096, 1024);
+        assert_eq!((first.addr, first.bytes), (0x10_0000, 1024));
+        assert_eq!(pool.bytes(), 3 * 1024, "the other three cached idle");
+        // Three new buffers of the class take them without a new allocation.
+        let taken: Vec<_> = (0..3).map(|_| pool.take(1024, |_| true).expect("cut")).collect();
+        assert!(pool.take(1024, |_| true).is_none());
+        let mut addrs: Vec<usize> = taken.iter().map(|b| b.addr).collect();
+        addrs.sort();
+        assert_eq!(addrs, [0x10_0400, 0x10_0800, 0x10_0c00]);
+        // Given back, one with a copy pending: the slab is not whole while `first` is out.
+        let mut taken = taken.into_iter();
+        let mut with_copy = taken.next().expect("one");
+        with_copy.pending.push(7);
+        pool.give(with_copy);
+        pool.give(block(0x9000, 8192, &[]));
+        let freed = pool.drain();
+        assert_eq!(freed.len(), 1, "only the block allocated alone");
+        assert_eq!(freed[0].addr, 0x9000);
+        for b in taken.chain([first]) {
+            pool.give(b);
+        }
+        // Whole now: freed as the slab, with the pending copy's event to wait for first.
+        let freed = pool.drain();
+        assert_eq!(freed.len(), 1);
+        assert_eq!(
+            (freed[0].addr, freed[0].bytes, freed[0].pending.as_slice()),
+            (0x10_0000, 4096, &[7][..])
+        );
         assert_eq!(pool.bytes(), 0);
     }
 }

@@ -320,7 +320,7 @@ impl<'a> Group<'a> {
         let Some(captured_on) = captured_on else {
             return Ok(());
         };
-        if self.all().any(|(_, s)| !std::ptr::eq(s, captured_on)) {
+        if self.all().any(|(_, s)| !engine::same_capture(s, captured_on)) {
             return Err(engine::capture_error(engine::SPANNING));
         }
         if self.colls.iter().any(|o| o.scalar.is_some()) {

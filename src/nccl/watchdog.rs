@@ -36,6 +36,18 @@
 //! the newest is incomplete, a few entries spread over the queue are queried, oldest first, and
 //! everything up to the newest one seen complete is dropped.
 //!
+//! # Graph replays
+//! A graph's replays record the graph's own event on the GPU (`PooledEvent::is_replayed`):
+//! it stands for the latest replay launched, not for one. An entry with it is complete, as
+//! the newest, when the event is (the latest replay launched before the query has completed,
+//! and with it every entry copied before); as an older entry's it says nothing, so it is not
+//! asked. An NCCL graph records a host event (a fixed point) after every fourth replay: an
+//! entry with one drains the replays before it as any entry does. The oldest entry's deadline
+//! therefore covers the entries up to the first fixed point (or all of them), which run one
+//! after another: it is that many timeouts from the oldest's start, as long as a healthy run of
+//! them may take, and bounded. No entry's `after` holds a graph's event (the engine's
+//! `exact_before`), so every deadline starts.
+//!
 //! # Its own failure
 //! A panic in a look at one communicator is caught: that communicator can no longer be watched,
 //! so it is aborted (its operations then fail with the panic's reason), and the others are
@@ -254,6 +266,12 @@ fn probes(pending: &VecDeque<Pending>) -> Probes {
         if taken > 0 && out[..taken].iter().flatten().any(|(s, _)| *s == pending[i].seq) {
             continue;
         }
+        // A graph's event stands for its latest replay (see `PooledEvent::is_replayed`): as
+        // the newest entry's, complete means every entry copied here is; as an older one's,
+        // incomplete says nothing about that entry. Only the newest is asked.
+        if taken > 0 && pending[i].event.is_replayed() {
+            continue;
+        }
         out[taken] = Some((pending[i].seq, pending[i].event.clone()));
         taken += 1;
     }
@@ -344,31 +362,47 @@ fn check(shared: &Shared, gpu: &impl Gpu) {
             shared.ordinal,
             state.pending.len(),
             started.map(|t| now.saturating_duration_since(t)),
-            peer_busy(&state, wall, Duration::ZERO)
+            peer_busy(&state, wall, Duration::ZERO, state.timeout)
         );
     }
     let Some(started) = started else {
         return;
     };
     let waited = now.saturating_duration_since(started);
-    if waited <= state.timeout || peer_busy(&state, wall, waited) {
+    let timeout = state.timeout.saturating_mul(span(&state.pending));
+    if waited <= timeout || peer_busy(&state, wall, waited, timeout) {
         return;
     }
     let reason = format!(
         "rank {}'s oldest queued operation did not complete within {:?} of becoming able to start \
          (the watchdog aborted the communicator: a peer may have died, or never run its side)",
-        shared.rank, state.timeout
+        shared.rank, timeout
     );
     state.break_with(reason, shared.ordinal, Cut::Incomplete);
 }
 
+/// How many operations the oldest entry's deadline covers: one, unless its event is a graph's
+/// (`PooledEvent::is_replayed`, the latest replay), whose completion the watchdog sees only
+/// through a later entry's fixed point, or the newest's: then every entry up to the first with
+/// a fixed point (an NCCL graph records one every fourth replay), or all of them. Those run one
+/// after another, each within its timeout of starting if nothing is wrong, so together within
+/// that many timeouts of the first one starting: the deadline over them is that long, never
+/// shorter than a healthy run of them, and still bounded.
+fn span(pending: &VecDeque<Pending>) -> u32 {
+    let n = pending
+        .iter()
+        .position(|p| !p.event.is_replayed())
+        .map_or(pending.len(), |i| i + 1);
+    u32::try_from(n.max(1)).unwrap_or(u32::MAX)
+}
+
 /// Whether some peer is alive and held up by its own GPU work, and the operation has waited
-/// less than [`PATIENCE`] timeouts (all of them, for a timeout too long to multiply).
-fn peer_busy(state: &State, wall: u64, waited: Duration) -> bool {
+/// less than [`PATIENCE`] times `timeout` (all of it, for a timeout too long to multiply).
+fn peer_busy(state: &State, wall: u64, waited: Duration, timeout: Duration) -> bool {
     let Some(regions) = &state.regions else {
         return false;
     };
-    waited < state.timeout.saturating_mul(PATIENCE)
+    waited < timeout.saturating_mul(PATIENCE)
         && regions
             .iter()
             .enumerate()
@@ -553,8 +587,64 @@ mod tests {
         state.timeout = Duration::MAX;
         state.regions = Some((0..2).map(|r| Arc::new(Region::in_process(2, r))).collect());
         state.regions.as_ref().expect("set")[1].set_heartbeat(now_ms(), true);
-        assert!(peer_busy(&state, now_ms(), Duration::ZERO));
-        assert!(peer_busy(&state, now_ms(), Duration::from_secs(u64::MAX / 2)));
+        assert!(peer_busy(&state, now_ms(), Duration::ZERO, state.timeout));
+        assert!(peer_busy(
+            &state,
+            now_ms(),
+            Duration::from_secs(u64::MAX / 2),
+            state.timeout.saturating_mul(span(&state.pending))
+        ));
+    }
+
+    /// An NCCL graph's replays: each entry's event the graph's own (the latest replay, here
+    /// never complete: 100), and a fixed point after every fourth (numbered 4, 8, ...).
+    fn queue_replays(shared: &Shared, replays: u64) {
+        let d = device();
+        let graphs = d.fake_replayed_event(100);
+        let mut state = shared.lock();
+        for n in 1..=replays {
+            let e = if n.is_multiple_of(4) {
+                d.fake_event(n as usize)
+            } else {
+                graphs.clone()
+            };
+            state.push_pending(e, Default::default());
+        }
+    }
+
+    #[test]
+    fn a_graphs_event_is_asked_only_as_the_newest_and_fixed_points_drain_the_replays_before() {
+        let s = shared(true);
+        queue_replays(&s, 10);
+        // Replays up to 8 complete; the latest (10) is not.
+        let gpu = Fake::new(&s, 9);
+        check(&s, &gpu);
+        // Asked as an older entry's, the graph's event (incomplete: the latest replay runs)
+        // would stop the search at the first replay and drain nothing.
+        assert_eq!(
+            seqs(&s),
+            [8, 9],
+            "replays up to the fixed point after the 8th are done"
+        );
+        // The two left are watched through the graph's event: done once it is.
+        gpu.done.set(100);
+        check(&s, &gpu);
+        assert!(seqs(&s).is_empty());
+    }
+
+    #[test]
+    fn the_deadline_over_replays_spans_them_up_to_the_next_fixed_point() {
+        let s = shared(true);
+        assert_eq!(span(&s.lock().pending), 1, "an empty queue");
+        queue_replays(&s, 6);
+        // Replays 1 to 4 (the 4th's a fixed point) before the oldest is seen complete.
+        assert_eq!(span(&s.lock().pending), 4);
+        s.lock().pending.drain(..4);
+        // Replays 5 and 6, the tail, watched through the graph's event alone.
+        assert_eq!(span(&s.lock().pending), 2);
+        let plain = shared(true);
+        queue(&plain, 1..=3);
+        assert_eq!(span(&plain.lock().pending), 1, "eager work: one operation each");
     }
 
     #[test]

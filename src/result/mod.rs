@@ -308,6 +308,18 @@ pub unsafe fn event_record(e: cudaEvent_t, s: cudaStream_t) -> Result<()> {
     check("cudaEventRecord", unsafe { lib()?.cudaEventRecord(e, s) })
 }
 
+/// `cudaEventRecordWithFlags(e, s, cudaEventRecordExternal)`: inside a capture on `s`, an event
+/// record node of the graph, so that every launch of the graph records `e` again.
+///
+/// # Safety
+/// `e` and `s` are live handles of the same device, and `s` is being captured.
+pub unsafe fn event_record_external(e: cudaEvent_t, s: cudaStream_t) -> Result<()> {
+    // SAFETY: the caller vouches for the handles.
+    check("cudaEventRecordWithFlags", unsafe {
+        lib()?.cudaEventRecordWithFlags(e, s, crate::sys::cudart::cudaEventRecordExternal)
+    })
+}
+
 /// `cudaEventQuery`: `true` when the work captured by the last record has completed.
 ///
 /// # Safety

@@ -1,7 +1,9 @@
 /* A stub libcudart.so.13 for tests/hotpath.rs: every function the crate binds, each returning
  * success at once and counting its calls (count.h). "Device memory" is host memory (malloc), so
- * copies and fills really happen; streams remember whether they are being captured, so that
- * cudaStreamIsCapturing and graph capture behave as CUDA's do for one thread. */
+ * copies and fills really happen; streams remember whether they are being captured, and by
+ * which capture (a stream that waits for an event recorded in a capture joins it, as in CUDA's
+ * cross-stream capture, until the capture ends), so that cudaStreamIsCapturing and graph
+ * capture behave as CUDA's do for one thread. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -11,7 +13,13 @@ typedef int err_t;
 enum { OK = 0, ERR_INVALID_VALUE = 1, ERR_INVALID_DEVICE = 101, ERR_NOT_READY = 600,
        ERR_ILLEGAL_STATE = 401, ERR_CAPTURE_INVALIDATED = 901 };
 
-struct stream { int capturing; };
+/* `root`: the stream the capture began on (itself, for that one). */
+struct stream { int capturing; struct stream *root; };
+/* `root`: the capture its last record was made in, if any. */
+struct event { struct stream *root; };
+enum { ERR_CAPTURE_ISOLATION = 905, MAX_STREAMS = 1024 };
+static struct stream *streams[MAX_STREAMS];
+static pthread_mutex_t streams_lock = PTHREAD_MUTEX_INITIALIZER;
 typedef struct { unsigned x, y, z; } dim3;
 
 static _Atomic int devices = 1;
@@ -52,9 +60,22 @@ err_t cudaGetLastError(void) { COUNT(); return OK; }
 err_t cudaStreamCreateWithFlags(struct stream **s, unsigned flags) {
     COUNT(); (void)flags;
     *s = calloc(1, sizeof **s);
-    return *s ? OK : ERR_INVALID_VALUE;
+    if (!*s) return ERR_INVALID_VALUE;
+    pthread_mutex_lock(&streams_lock);
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (!streams[i]) { streams[i] = *s; break; }
+    pthread_mutex_unlock(&streams_lock);
+    return OK;
 }
-err_t cudaStreamDestroy(struct stream *s) { COUNT(); free(s); return OK; }
+err_t cudaStreamDestroy(struct stream *s) {
+    COUNT();
+    pthread_mutex_lock(&streams_lock);
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (streams[i] == s) streams[i] = NULL;
+    pthread_mutex_unlock(&streams_lock);
+    free(s);
+    return OK;
+}
 err_t cudaStreamSynchronize(struct stream *s) {
     COUNT();
     if (s && s->capturing) return ERR_CAPTURE_INVALIDATED;
@@ -65,29 +86,49 @@ err_t cudaStreamSynchronize(struct stream *s) {
     return OK;
 }
 err_t cudaStreamQuery(struct stream *s) { COUNT(); (void)s; return OK; }
-err_t cudaStreamWaitEvent(struct stream *s, void *e, unsigned flags) { COUNT(); (void)s; (void)e; (void)flags; return OK; }
+err_t cudaStreamWaitEvent(struct stream *s, struct event *e, unsigned flags) {
+    COUNT(); (void)flags;
+    struct stream *root = e && e->root && e->root->capturing ? e->root : NULL;
+    if (s && s->capturing && root != s->root) return ERR_CAPTURE_ISOLATION;
+    if (s && !s->capturing && root) { s->capturing = 1; s->root = root; }
+    return OK;
+}
 err_t cudaStreamBeginCapture(struct stream *s, int mode) {
     COUNT(); (void)mode;
     if (!s || s->capturing) return ERR_ILLEGAL_STATE;
     s->capturing = 1;
+    s->root = s;
     return OK;
 }
 err_t cudaStreamEndCapture(struct stream *s, void **graph) {
     COUNT();
-    if (!s || !s->capturing) return ERR_ILLEGAL_STATE;
+    if (!s || !s->capturing || s->root != s) return ERR_ILLEGAL_STATE;
+    pthread_mutex_lock(&streams_lock);
+    for (int i = 0; i < MAX_STREAMS; i++)
+        if (streams[i] && streams[i]->root == s && streams[i] != s) { streams[i]->capturing = 0; streams[i]->root = NULL; }
+    pthread_mutex_unlock(&streams_lock);
     s->capturing = 0;
+    s->root = NULL;
     *graph = malloc(8);
     return OK;
 }
 err_t cudaStreamIsCapturing(struct stream *s, int *status) { COUNT(); *status = s ? s->capturing : 0; return OK; }
 
-err_t cudaEventCreateWithFlags(void **e, unsigned flags) { COUNT(); (void)flags; *e = malloc(8); return OK; }
+err_t cudaEventCreateWithFlags(struct event **e, unsigned flags) { COUNT(); (void)flags; *e = calloc(1, sizeof **e); return OK; }
 err_t cudaEventDestroy(void *e) { COUNT(); free(e); return OK; }
-err_t cudaEventRecord(void *e, struct stream *s) {
-    COUNT(); (void)e; (void)s;
+err_t cudaEventRecord(struct event *e, struct stream *s) {
+    COUNT();
+    if (e) e->root = s && s->capturing ? s->root : NULL;
     int n = atomic_load(&records_to_fail);
     while (n > 0 && !atomic_compare_exchange_weak(&records_to_fail, &n, n - 1)) {}
     return n > 0 ? 2 : OK;
+}
+/* Only inside a capture, as CUDA's external record (flag 1); the graph's launches then record
+ * the event again with no call of their own. */
+err_t cudaEventRecordWithFlags(struct event *e, struct stream *s, unsigned flags) {
+    COUNT(); (void)e;
+    if (flags == 1 && !(s && s->capturing)) return ERR_ILLEGAL_STATE;
+    return OK;
 }
 err_t cudaEventQuery(void *e) { COUNT(); (void)e; return atomic_load(&query_rc); }
 err_t cudaEventSynchronize(void *e) { COUNT(); (void)e; return OK; }

@@ -675,6 +675,11 @@ pub struct CudartLib {
         event: cudaEvent_t,
         stream: cudaStream_t,
     ) -> cudaError_t,
+    pub cudaEventRecordWithFlags: unsafe extern "C" fn(
+        event: cudaEvent_t,
+        stream: cudaStream_t,
+        flags: ::std::os::raw::c_uint,
+    ) -> cudaError_t,
     pub cudaEventQuery: unsafe extern "C" fn(event: cudaEvent_t) -> cudaError_t,
     pub cudaEventSynchronize: unsafe extern "C" fn(event: cudaEvent_t) -> cudaError_t,
     pub cudaEventDestroy: unsafe extern "C" fn(event: cudaEvent_t) -> cudaError_t,
@@ -828,6 +833,9 @@ impl CudartLib {
             .get(b"cudaEventCreateWithFlags\0")
             .map(|sym| *sym)?;
         let cudaEventRecord = __library.get(b"cudaEventRecord\0").map(|sym| *sym)?;
+        let cudaEventRecordWithFlags = __library
+            .get(b"cudaEventRecordWithFlags\0")
+            .map(|sym| *sym)?;
         let cudaEventQuery = __library.get(b"cudaEventQuery\0").map(|sym| *sym)?;
         let cudaEventSynchronize = __library
             .get(b"cudaEventSynchronize\0")
@@ -895,6 +903,7 @@ impl CudartLib {
             cudaStreamIsCapturing,
             cudaEventCreateWithFlags,
             cudaEventRecord,
+            cudaEventRecordWithFlags,
             cudaEventQuery,
             cudaEventSynchronize,
             cudaEventDestroy,
@@ -1033,6 +1042,14 @@ impl CudartLib {
         stream: cudaStream_t,
     ) -> cudaError_t {
         (self.cudaEventRecord)(event, stream)
+    }
+    pub unsafe fn cudaEventRecordWithFlags(
+        &self,
+        event: cudaEvent_t,
+        stream: cudaStream_t,
+        flags: ::std::os::raw::c_uint,
+    ) -> cudaError_t {
+        (self.cudaEventRecordWithFlags)(event, stream, flags)
     }
     pub unsafe fn cudaEventQuery(&self, event: cudaEvent_t) -> cudaError_t {
         (self.cudaEventQuery)(event)
