@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::auth::{self, Keys, Pair};
-use super::channel::{Channel, Connection, frame_for_test, now_ms};
+use super::channel::{Channel, Connection, MAX_FRAMES, now_ms, record_for_test};
 use super::mailbox::{BROKEN, Region};
 use super::wire::{CollDesc, CollKind, Dir, NONE, OpDesc, P2P};
 use super::{CollOps, Failure, Mailboxes, PairOps, verify};
@@ -230,12 +230,12 @@ fn forged_replayed_or_unknown_frames_end_the_connection() {
     let cases: Vec<(&str, Bytes)> = vec![
         (
             "honest",
-            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, publish(0, 4))),
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[publish(0, 4)])),
         ),
         (
             "a flipped bit",
             Box::new(move |k: &Keys| {
-                let mut f = frame_for_test(&k.send, 0, publish(0, 4));
+                let mut f = record_for_test(&k.send, 0, &[publish(0, 4)]);
                 f[24] ^= 1;
                 f
             }),
@@ -243,29 +243,40 @@ fn forged_replayed_or_unknown_frames_end_the_connection() {
         (
             "a replayed frame",
             Box::new(move |k: &Keys| {
-                let f = frame_for_test(&k.send, 0, publish(0, 4));
+                let f = record_for_test(&k.send, 0, &[publish(0, 4)]);
                 [f.clone(), f].concat()
             }),
         ),
         (
             "the wrong key",
-            Box::new(move |k: &Keys| frame_for_test(&k.recv, 0, publish(0, 4))),
+            Box::new(move |k: &Keys| record_for_test(&k.recv, 0, &[publish(0, 4)])),
         ),
         (
             "an unknown kind",
-            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, [99, 0, 0, 0, 0])),
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[[99, 0, 0, 0, 0]])),
         ),
         (
             "a bad direction",
-            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, [1, 2, 0, 4, 7])),
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[[1, 2, 0, 4, 7]])),
         ),
         (
             "entry u64::MAX",
-            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, publish(u64::MAX, 4))),
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[publish(u64::MAX, 4)])),
+        ),
+        (
+            "a record of no frames",
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[])),
+        ),
+        (
+            "more frames than a record holds",
+            Box::new(move |k: &Keys| {
+                let frames: Vec<[u64; 5]> = (0..=MAX_FRAMES as u64).map(|i| publish(i, 4)).collect();
+                record_for_test(&k.send, 0, &frames)
+            }),
         ),
         (
             "half a frame",
-            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, publish(0, 4))[..30].to_vec()),
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[publish(0, 4)])[..30].to_vec()),
         ),
     ];
     for (what, bytes) in cases {
@@ -292,6 +303,63 @@ fn forged_replayed_or_unknown_frames_end_the_connection() {
 }
 
 #[test]
+fn a_record_is_applied_whole_or_not_at_all() {
+    let publish = |index: u64| {
+        let [w0, w1] = OpDesc {
+            count: 4,
+            dtype: 7,
+            captured: false,
+            part: P2P,
+        }
+        .encode();
+        [1, 1, index, w0, w1]
+    };
+    let (a, peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0), publish(1)]));
+    assert_eq!(verify(&[ops(&a, &[4, 4], &[], 2 * SECOND)], &[]), Ok(()));
+    drop(peer);
+    // An honest entry and a frame no handoff writes, in one record: the entry is not applied.
+    let (a, peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0), [99, 0, 0, 0, 0]]));
+    assert_eq!(
+        verify(&[ops(&a, &[4], &[], 2 * SECOND)], &[]),
+        Err(Failure::PeerBroken(1))
+    );
+    assert_eq!(a.regions[1].read(0, Dir::Recv, 0), None);
+    drop(peer);
+}
+
+#[test]
+fn checked_counters_a_verification_leaves_reach_the_peer_without_another() {
+    // Rank 1 posts a whole ring of receives, then rank 0 the sends: rank 1 leaves with its
+    // last checked counters held back. Rank 1 then verifies nothing more, yet rank 0's next
+    // ring of sends, whose last needs the slot the last counter frees, must be published.
+    let [a, b] = two(None, 5 * SECOND);
+    let n = super::mailbox::RING;
+    let ring: Vec<u64> = (1..=n).collect();
+    let sent = ring.clone();
+    let tb = std::thread::spawn(move || (verify(&[ops(&b, &[], &ring, 5 * SECOND)], &[]), b));
+    std::thread::sleep(Duration::from_millis(100));
+    verify(&[ops(&a, &sent, &[], 5 * SECOND)], &[]).unwrap();
+    let (rb, b) = tb.join().unwrap();
+    rb.unwrap();
+    let again = sent.clone();
+    let ta = std::thread::spawn(move || verify(&[ops(&a, &again, &[], 5 * SECOND)], &[]));
+    let t = Instant::now();
+    while b.regions[0].read(1, Dir::Send, 2 * n - 1).is_none() {
+        assert!(
+            t.elapsed() < 2 * SECOND,
+            "rank 0's send past the ring was not published: rank 1's counters never left"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    eprintln!(
+        "channel: a send past a full ring was published after {:?}",
+        t.elapsed()
+    );
+    verify(&[ops(&b, &[], &sent, 5 * SECOND)], &[]).unwrap();
+    ta.join().unwrap().unwrap();
+}
+
+#[test]
 fn a_replayed_frame_is_refused_while_the_connection_stays_open() {
     let publish = |index: u64| {
         let [w0, w1] = OpDesc {
@@ -305,8 +373,8 @@ fn a_replayed_frame_is_refused_while_the_connection_stays_open() {
     };
     let (a, peer) = raw_peer(move |k| {
         [
-            frame_for_test(&k.send, 0, publish(0)),
-            frame_for_test(&k.send, 0, publish(1)),
+            record_for_test(&k.send, 0, &[publish(0)]),
+            record_for_test(&k.send, 0, &[publish(1)]),
         ]
         .concat()
     });

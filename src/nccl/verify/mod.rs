@@ -166,6 +166,85 @@ pub(crate) enum Failure {
     },
 }
 
+/// The remote peers one verification waits on, through its rank's channel: while it runs,
+/// what it tells them is corked, and goes out before it waits and when it returns (on every
+/// path: a mismatch reaches the peer too); it reads their sockets itself (see [`channel`]).
+struct Links<'a> {
+    links: SmallVec<[(&'a channel::Channel, usize); 4]>,
+    /// Every peer the verification may wait on is remote: their sockets say when to look.
+    all_remote: bool,
+}
+
+impl<'a> Links<'a> {
+    fn of(pairs: &[PairOps<'a>], colls: &[CollOps<'a>]) -> Links<'a> {
+        let mut links: SmallVec<[(&'a channel::Channel, usize); 4]> = SmallVec::new();
+        let mut all_remote = true;
+        let mut add = |c: &'a channel::Channel, r: usize| {
+            if !links.iter().any(|&(d, s)| std::ptr::eq(c, d) && r == s) {
+                links.push((c, r));
+            }
+        };
+        for p in pairs.iter().filter(|p| !p.local) {
+            match p.boxes.mine().channel().filter(|c| c.reaches(p.peer)) {
+                Some(c) => add(c, p.peer),
+                None => all_remote = false,
+            }
+        }
+        for c in colls.iter().filter(|c| !c.local) {
+            match c.boxes.mine().channel() {
+                Some(ch) => {
+                    all_remote &= ch.remote_count() + 1 == c.boxes.regions.len();
+                    ch.remote().for_each(|r| add(ch, r));
+                }
+                None => all_remote &= c.boxes.regions.len() == 1,
+            }
+        }
+        for &(c, r) in &links {
+            c.cork(r);
+        }
+        Links { links, all_remote }
+    }
+
+    /// Reads the remote peers' sockets. False only if no mirror can have changed.
+    fn pump(&self) -> bool {
+        let mut any = false;
+        for &(c, r) in &self.links {
+            any |= c.pump(r);
+        }
+        any
+    }
+
+    fn flush(&self) {
+        for &(c, r) in &self.links {
+            c.flush(r);
+        }
+    }
+
+    /// Waits up to `timeout` for a remote peer to send something.
+    fn wait(&self, timeout: Duration) {
+        if let Some(&(c, _)) = self.links.first() {
+            let ours = self.links.iter().filter(|&&(d, _)| std::ptr::eq(c, d));
+            if ours.clone().count() == self.links.len() {
+                c.wait(ours.map(|&(_, r)| r), timeout);
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+impl Drop for Links<'_> {
+    fn drop(&mut self) {
+        for &(c, r) in &self.links {
+            c.uncork(r);
+        }
+    }
+}
+
+/// How long a verification waiting only for remote peers sleeps on their sockets at a time,
+/// once it has spun: a frame wakes it at once; this bounds how late it sees a timeout.
+const REMOTE_WAIT: Duration = Duration::from_millis(5);
+
 #[derive(Default, Clone, Copy)]
 struct Done {
     published: [usize; 2],
@@ -186,6 +265,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
             checked: SmallVec::from_elem(0, c.boxes.regions.len()),
         })
         .collect();
+    let links = Links::of(pairs, colls);
     let mut spins = 0u32;
     loop {
         let mut progressed = false;
@@ -201,7 +281,9 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
         }
         if finished {
             // A peer whose entries were all there may have broken since it published them: it
-            // will not post its side, so do not post ours.
+            // will not post its side, so do not post ours. (A remote peer's note of it may be
+            // in its socket still.)
+            links.pump();
             let broken_pair = pairs
                 .iter()
                 .find(|p| !p.local && p.boxes.regions[p.peer].status() == BROKEN)
@@ -215,6 +297,10 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
                 None => Ok(()),
             };
         }
+        // What this step published and checked goes out before this rank waits, and what
+        // remote peers sent since comes in.
+        links.flush();
+        progressed |= links.pump();
         if progressed {
             spins = 0;
             continue;
@@ -277,10 +363,12 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
             }
         }
         // A peer on another core usually posts within microseconds; a slow one gets the CPU
-        // back.
+        // back, and remote ones wake this thread when they send.
         spins += 1;
         if spins < 2_000 {
             std::hint::spin_loop();
+        } else if links.all_remote && !links.links.is_empty() {
+            links.wait(REMOTE_WAIT);
         } else if spins < 2_100 {
             std::thread::yield_now();
         } else {
