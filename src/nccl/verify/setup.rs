@@ -40,8 +40,9 @@ pub(crate) struct Settled {
     pub(crate) refused: usize,
 }
 
-/// How many handshakes a listener serves at once (each on its own thread, bounded by the
-/// deadline); connections beyond are closed at once.
+/// How many handshakes a listener serves at once (each on its own thread, bounded by
+/// [`auth::HANDSHAKE_WAIT`]); connections beyond wait in the listener's backlog until one
+/// ends.
 const MAX_HANDSHAKES: usize = 32;
 
 /// This rank's kernel and mount namespace, zero where unknown.
@@ -458,8 +459,15 @@ fn connect_all(
                 }
             ));
         }
-        match listener.accept() {
-            Ok((stream, _)) if Arc::strong_count(&live) <= MAX_HANDSHAKES => {
+        // With every handshake slot taken, a connection waits in the backlog, unaccepted.
+        let accepted = if Arc::strong_count(&live) <= MAX_HANDSHAKES {
+            listener.accept().map(Some)
+        } else {
+            Ok(None)
+        };
+        match accepted {
+            Ok(None) => {}
+            Ok(Some((stream, _))) => {
                 let (tx, tokens, live, secret) = (tx.clone(), tokens.clone(), live.clone(), m.secret.clone());
                 let my_token = m.token;
                 let _ = std::thread::Builder::new()
@@ -480,7 +488,6 @@ fn connect_all(
                     });
                 continue;
             }
-            Ok(_) => refused += 1,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(format!("rank {rank}'s verification listener: {e}")),
         }
@@ -509,6 +516,7 @@ fn connect_all(
 
 #[cfg(test)]
 mod tests {
+    use std::net::TcpStream;
     use std::path::Path;
     use std::sync::{Condvar, Mutex};
 
@@ -636,5 +644,41 @@ mod tests {
         );
         let _ = std::fs::remove_dir_all(short);
         let _ = std::fs::remove_dir_all(long);
+    }
+
+    #[test]
+    fn silent_connections_do_not_keep_a_rank_out() {
+        let dir = scratch("silent");
+        let timeout = Duration::from_secs(8);
+        let x = Exchange::new(2, timeout + Duration::from_secs(2));
+        let silent: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let r0 = rank(&x, 0, dir.clone(), true, timeout, |_| {});
+        let held = silent.clone();
+        // Before rank 1 connects, 40 connections to rank 0's listener that never say a word:
+        // more than its handshake slots.
+        let r1 = rank(&x, 1, dir.clone(), true, timeout, move |all| {
+            let card = Card::decode(&all[..CARD_WORDS]).unwrap();
+            let addr = card.addr.expect("rank 0 listens");
+            let mut held = held.lock().unwrap();
+            for _ in 0..40 {
+                held.push(TcpStream::connect(addr).unwrap());
+            }
+        });
+        let t = Instant::now();
+        let (s0, s1) = (r0.join().unwrap(), r1.join().unwrap());
+        let took = t.elapsed();
+        let s0 = s0.unwrap().expect("verified");
+        let s1 = s1.unwrap().expect("verified");
+        assert_eq!((s0.remote, s1.remote), (vec![1], vec![0]));
+        assert!(
+            took < timeout,
+            "setup took {took:?}: the silent connections held rank 0's listener"
+        );
+        eprintln!(
+            "setup: 40 silent connections delayed rank 1 by {took:?}; rank 0 refused {}",
+            s0.refused
+        );
+        drop(silent);
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
