@@ -266,6 +266,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
         })
         .collect();
     let links = Links::of(pairs, colls);
+    let mut pumped = false;
     let mut spins = 0u32;
     loop {
         let mut progressed = false;
@@ -282,8 +283,10 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
         if finished {
             // A peer whose entries were all there may have broken since it published them: it
             // will not post its side, so do not post ours. (A remote peer's note of it may be
-            // in its socket still.)
-            links.pump();
+            // in its socket still, if this call has not read it yet.)
+            if !pumped {
+                links.pump();
+            }
             let broken_pair = pairs
                 .iter()
                 .find(|p| !p.local && p.boxes.regions[p.peer].status() == BROKEN)
@@ -301,6 +304,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
         // remote peers sent since comes in.
         links.flush();
         progressed |= links.pump();
+        pumped = true;
         if progressed {
             spins = 0;
             continue;
