@@ -240,12 +240,15 @@ fn recv_now(s: &TcpStream, buf: &mut [u8]) -> std::io::Result<Option<usize>> {
     }
 }
 
-/// Waits up to `timeout` (at least a millisecond) until one of `fds` has data or has ended.
-fn poll_fds(fds: &mut [PollFd], timeout: Duration) {
-    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+/// Waits up to `ms` milliseconds (0: not at all) until one of `fds` has data or has ended.
+fn poll_fds(fds: &mut [PollFd], ms: i32) {
     // SAFETY: `fds` is valid for reads and writes of `fds.len()` entries for the call. A
     // failure (EINTR) is an early return, which every caller treats as a spurious wake.
     unsafe { poll(fds.as_mut_ptr(), fds.len() as std::ffi::c_ulong, ms) };
+}
+
+fn millis(d: Duration) -> i32 {
+    d.as_millis().clamp(1, i32::MAX as u128) as i32
 }
 
 /// The sending half of one connection.
@@ -377,6 +380,11 @@ struct In {
 }
 
 impl In {
+    /// See [`Channel::mark`].
+    fn mark(&self) -> u64 {
+        self.seq << 1 | u64::from(self.ended)
+    }
+
     /// Reads what the socket holds and applies each whole record to `mirror`, this peer's
     /// region as rank `me` sees it; with `discard` (the channel is being dropped), reads to the
     /// peer's end without applying. False once the connection has ended: the mirror then
@@ -474,6 +482,10 @@ impl Peer {
     fn out(&self) -> MutexGuard<'_, Out> {
         self.out.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn lock_in(&self) -> MutexGuard<'_, In> {
+        self.inn.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// How often a receiver with nothing to read looks whether its channel is being dropped.
@@ -491,6 +503,9 @@ pub(crate) struct Channel {
     /// How long an entry waits for room in a full socket.
     timeout: Duration,
 }
+
+/// Peers, and their sockets to poll.
+type Polled = (smallvec::SmallVec<[usize; 8]>, smallvec::SmallVec<[PollFd; 8]>);
 
 /// The mirrors of the peers' regions, by rank.
 pub(crate) type Mirrors = Vec<(usize, Arc<Region>)>;
@@ -655,38 +670,71 @@ impl Channel {
         }
     }
 
-    /// Reads what `peer` sent into its mirror, unless the receiver thread is reading it now;
-    /// for the next [`IDLE`], that thread leaves the connection to the verifications. False
-    /// only if nothing new can be in the mirror: then a wait on the socket misses nothing.
-    pub(crate) fn pump(&self, peer: usize) -> bool {
+    /// How far `peer`'s mirror has come: it moves with every record applied, by whichever
+    /// thread, and when the connection ends. Compared with an earlier value by
+    /// [`Channel::pump`].
+    pub(crate) fn mark(&self, peer: usize) -> u64 {
+        self.peer(peer).map_or(0, |p| p.lock_in().mark())
+    }
+
+    /// Reads what `peer` sent into its mirror; for the next [`IDLE`], the receiver thread
+    /// leaves the connection to the verifications. True if the mirror moved since `seen` (a
+    /// [`Channel::mark`], updated): if false, nothing arrived since, and a wait on the socket
+    /// misses nothing.
+    pub(crate) fn pump(&self, peer: usize, seen: &mut u64) -> bool {
+        self.pump_if(peer, seen, true)
+    }
+
+    fn pump_if(&self, peer: usize, seen: &mut u64, read: bool) -> bool {
         let Some(p) = self.peer(peer) else {
             return false;
         };
         p.reading.fetch_add(1, Ordering::Relaxed);
-        let mut inn = match p.inn.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
-            // The receiver thread may be applying frames this very moment.
-            Err(std::sync::TryLockError::WouldBlock) => return true,
-        };
-        let (seq, ended) = (inn.seq, inn.ended);
-        inn.drain(&p.mirror, self.me, false);
-        inn.seq != seq || inn.ended != ended
+        // Waits at most for the receiver thread to apply what it read (it never waits with
+        // the lock held), so that the mark covers it.
+        let mut inn = p.lock_in();
+        if read {
+            inn.drain(&p.mirror, self.me, false);
+        }
+        let was = std::mem::replace(seen, inn.mark());
+        was != *seen
+    }
+
+    /// [`Channel::pump`] of each of `peers`, with `seen` theirs, reading only the sockets that
+    /// have something: one system call to ask them all, then one for each that has.
+    pub(crate) fn pump_ready(&self, peers: impl Iterator<Item = usize>, seen: &mut [u64]) -> bool {
+        let (peers, mut fds) = self.fds(peers);
+        poll_fds(&mut fds, 0);
+        let mut any = false;
+        for ((r, f), seen) in peers.into_iter().zip(&fds).zip(seen) {
+            any |= self.pump_if(r, seen, f.revents != 0);
+        }
+        any
     }
 
     /// Waits up to `timeout` (at least a millisecond) until one of `peers` sent something.
     pub(crate) fn wait(&self, peers: impl Iterator<Item = usize>, timeout: Duration) {
-        let mut fds: smallvec::SmallVec<[PollFd; 4]> = peers
-            .filter_map(|r| self.peer(r))
-            .map(|p| PollFd {
-                fd: p.fd,
-                events: POLLIN,
-                revents: 0,
-            })
-            .collect();
+        let (_, mut fds) = self.fds(peers);
         if !fds.is_empty() {
-            poll_fds(&mut fds, timeout);
+            poll_fds(&mut fds, millis(timeout));
         }
+    }
+
+    /// The remote ones of `peers`, and their sockets to poll.
+    fn fds(&self, peers: impl Iterator<Item = usize>) -> Polled {
+        peers
+            .filter_map(|r| self.peer(r).map(|p| (r, p)))
+            .map(|(r, p)| {
+                (
+                    r,
+                    PollFd {
+                        fd: p.fd,
+                        events: POLLIN,
+                        revents: 0,
+                    },
+                )
+            })
+            .unzip()
     }
 
     /// After a send to `p`: a failed connection makes the peer broken; an entry or counter
@@ -800,7 +848,7 @@ fn receive(link: &Link<'_>, me: usize, stop: &AtomicBool) {
                 events: POLLIN,
                 revents: 0,
             }],
-            STOP_POLL,
+            millis(STOP_POLL),
         );
         // Once dropping, frames are only read to the peer's end.
         let mut i = inn.lock().unwrap_or_else(|e| e.into_inner());

@@ -75,7 +75,68 @@ fn two(secret: Option<&'static [u8]>, timeout: Duration) -> [Mailboxes; 2] {
     [side(0, s_stream, s_keys), side(1, c_stream, c_keys)]
 }
 
+/// `n` ranks of this process, every pair joined by the channel (no mailbox files).
+fn world(n: usize, timeout: Duration) -> Vec<Mailboxes> {
+    let token = |r: usize| T0 ^ ((r as u128 + 1) * 0x0101_0101);
+    let mut connections: Vec<Vec<Connection>> = (0..n).map(|_| Vec::new()).collect();
+    for server in 0..n {
+        for client in server + 1..n {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = l.local_addr().unwrap();
+            let pair = Pair {
+                server,
+                client,
+                world: n,
+                server_token: token(server),
+                client_token: token(client),
+            };
+            let c = std::thread::spawn(move || auth::connect(addr, pair, None, deadline(2_000)).unwrap());
+            let (s, _) = l.accept().unwrap();
+            let token_of = |c: usize| (c == client).then_some(token(client));
+            let (_, stream, keys) =
+                auth::serve(s, server, n, token(server), &token_of, None, deadline(2_000)).unwrap();
+            connections[server].push(Connection {
+                rank: client,
+                stream,
+                keys,
+            });
+            let (stream, keys) = c.join().unwrap();
+            connections[client].push(Connection {
+                rank: server,
+                stream,
+                keys,
+            });
+        }
+    }
+    connections
+        .into_iter()
+        .enumerate()
+        .map(|(me, c)| {
+            let (channel, mirrors) = Channel::start(me, n, c, timeout).unwrap();
+            let own = Arc::new(Region::in_process(n, me));
+            own.install_channel(channel);
+            let mut regions: Vec<Option<Arc<Region>>> = (0..n).map(|_| None).collect();
+            regions[me] = Some(own);
+            for (r, m) in mirrors {
+                regions[r] = Some(m);
+            }
+            let regions: Vec<Arc<Region>> = regions.into_iter().map(Option::unwrap).collect();
+            Mailboxes::new(me, regions.into())
+        })
+        .collect()
+}
+
 fn ops<'a>(boxes: &'a Mailboxes, sends: &[u64], recvs: &[u64], timeout: Duration) -> PairOps<'a> {
+    with(boxes, 1 - boxes.rank, sends, recvs, timeout)
+}
+
+fn with<'a>(
+    boxes: &'a Mailboxes,
+    peer: usize,
+    sends: &[u64],
+    recvs: &[u64],
+    timeout: Duration,
+) -> PairOps<'a> {
     let op = |&count: &u64| OpDesc {
         count,
         dtype: 7,
@@ -84,7 +145,7 @@ fn ops<'a>(boxes: &'a Mailboxes, sends: &[u64], recvs: &[u64], timeout: Duration
     };
     PairOps {
         boxes,
-        peer: 1 - boxes.rank,
+        peer,
         sends: sends.iter().map(op).collect(),
         recvs: recvs.iter().map(op).collect(),
         local: false,
@@ -160,6 +221,73 @@ fn operations_and_collectives_are_checked_through_mirrors_and_a_mismatch_fails_b
                 "{secret:?}: {r:?}"
             );
         }
+    }
+}
+
+#[test]
+fn four_ranks_agree_on_collectives_and_a_ring_of_sends_and_all_refuse_a_difference() {
+    let coll = |count: u64| CollDesc {
+        kind: CollKind::AllReduce,
+        count,
+        dtype: 7,
+        redop: 0,
+        root: NONE,
+        captured: false,
+    };
+    let n = 4;
+    let run = |ranks: Vec<Mailboxes>, last: Vec<u64>| {
+        let threads: Vec<_> = ranks
+            .into_iter()
+            .zip(last)
+            .map(|(b, last)| {
+                std::thread::spawn(move || {
+                    let me = b.rank;
+                    let c = |count: u64| CollOps {
+                        boxes: &b,
+                        ops: [coll(count)].into_iter().collect(),
+                        local: false,
+                        timeout: 5 * SECOND,
+                    };
+                    // Past the ring, one collective per group, with a send round the ring
+                    // between them.
+                    let mut r = Ok(());
+                    for i in 1..=100u64 {
+                        r = r.and_then(|()| verify(&[], &[c(i)]));
+                        let to = |peer: usize, sends: &[u64], recvs: &[u64]| {
+                            with(&b, peer, sends, recvs, 5 * SECOND)
+                        };
+                        r = r.and_then(|()| {
+                            verify(
+                                &[to((me + 1) % n, &[i], &[]), to((me + n - 1) % n, &[], &[i])],
+                                &[],
+                            )
+                        });
+                    }
+                    (r.and_then(|()| verify(&[], &[c(last)])), b)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect::<Vec<_>>()
+    };
+    let done = run(world(n, 5 * SECOND), vec![7; n]);
+    let mut ranks = Vec::new();
+    for (r, (res, b)) in done.into_iter().enumerate() {
+        assert_eq!(res, Ok(()), "rank {r}");
+        ranks.push(b);
+    }
+    // Rank 3's next all_reduce differs: every rank refuses it.
+    for (r, (res, _)) in run(ranks, {
+        let mut v = vec![9; n];
+        v[n - 1] = 10;
+        v
+    })
+    .into_iter()
+    .enumerate()
+    {
+        assert!(
+            matches!(&res, Err(Failure::Mismatch(m)) if m.contains("10") && m.contains('9')),
+            "rank {r}: {res:?}"
+        );
     }
 }
 

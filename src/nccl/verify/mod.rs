@@ -171,6 +171,8 @@ pub(crate) enum Failure {
 /// path: a mismatch reaches the peer too); it reads their sockets itself (see [`channel`]).
 struct Links<'a> {
     links: SmallVec<[(&'a channel::Channel, usize); 4]>,
+    /// Each link's [`channel::Channel::mark`] when this verification last looked.
+    seen: SmallVec<[u64; 4]>,
     /// Every peer the verification may wait on is remote: their sockets say when to look.
     all_remote: bool,
 }
@@ -202,16 +204,31 @@ impl<'a> Links<'a> {
         for &(c, r) in &links {
             c.cork(r);
         }
-        Links { links, all_remote }
+        let seen = links.iter().map(|&(c, r)| c.mark(r)).collect();
+        Links {
+            links,
+            seen,
+            all_remote,
+        }
     }
 
-    /// Reads the remote peers' sockets. False only if no mirror can have changed.
-    fn pump(&self) -> bool {
+    /// Reads the remote peers' sockets. False only if no mirror moved since the last look.
+    fn pump(&mut self) -> bool {
+        if let Some(c) = self.one_channel().filter(|_| self.links.len() > 2) {
+            // Many peers (a collective's): ask which sockets have something first.
+            return c.pump_ready(self.links.iter().map(|&(_, r)| r), &mut self.seen);
+        }
         let mut any = false;
-        for &(c, r) in &self.links {
-            any |= c.pump(r);
+        for (&(c, r), seen) in self.links.iter().zip(&mut self.seen) {
+            any |= c.pump(r, seen);
         }
         any
+    }
+
+    /// The channel every link goes through, if one does.
+    fn one_channel(&self) -> Option<&'a channel::Channel> {
+        let &(c, _) = self.links.first()?;
+        self.links.iter().all(|&(d, _)| std::ptr::eq(c, d)).then_some(c)
     }
 
     fn flush(&self) {
@@ -222,14 +239,10 @@ impl<'a> Links<'a> {
 
     /// Waits up to `timeout` for a remote peer to send something.
     fn wait(&self, timeout: Duration) {
-        if let Some(&(c, _)) = self.links.first() {
-            let ours = self.links.iter().filter(|&&(d, _)| std::ptr::eq(c, d));
-            if ours.clone().count() == self.links.len() {
-                c.wait(ours.map(|&(_, r)| r), timeout);
-                return;
-            }
+        match self.one_channel() {
+            Some(c) => c.wait(self.links.iter().map(|&(_, r)| r), timeout),
+            None => std::thread::sleep(Duration::from_micros(50)),
         }
-        std::thread::sleep(Duration::from_micros(50));
     }
 }
 
@@ -240,6 +253,11 @@ impl Drop for Links<'_> {
         }
     }
 }
+
+/// How many times a verification waiting only for remote peers looks before it sleeps on
+/// their sockets: each look reads them (a system call), so this is some 100 µs, more than a
+/// frame takes over a loopback or a LAN; spinning longer starves ranks that share the cores.
+const REMOTE_SPINS: u32 = 200;
 
 /// How long a verification waiting only for remote peers sleeps on their sockets at a time,
 /// once it has spun: a frame wakes it at once; this bounds how late it sees a timeout.
@@ -265,7 +283,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
             checked: SmallVec::from_elem(0, c.boxes.regions.len()),
         })
         .collect();
-    let links = Links::of(pairs, colls);
+    let mut links = Links::of(pairs, colls);
     let mut pumped = false;
     let mut spins = 0u32;
     loop {
@@ -369,9 +387,10 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
         // A peer on another core usually posts within microseconds; a slow one gets the CPU
         // back, and remote ones wake this thread when they send.
         spins += 1;
-        if spins < 2_000 {
+        let remote = links.all_remote && !links.links.is_empty();
+        if spins < if remote { REMOTE_SPINS } else { 2_000 } {
             std::hint::spin_loop();
-        } else if links.all_remote && !links.links.is_empty() {
+        } else if remote {
             links.wait(REMOTE_WAIT);
         } else if spins < 2_100 {
             std::thread::yield_now();
