@@ -367,9 +367,8 @@ fn verdict(problem: &str) -> [u64; VERDICT_WORDS] {
 /// The first rank whose verdict, at the start of each `stride` words of `all`, is a problem,
 /// and what it said (printable characters only: the text is a peer's).
 fn first_problem(all: &[u64], stride: usize) -> Option<(usize, String)> {
-    let bad = all.chunks(stride).position(|v| v[0] != 1)?;
-    let v = &all[bad * stride..bad * stride + VERDICT_WORDS];
-    let text: String = v[1..]
+    let (bad, v) = all.chunks(stride).enumerate().find(|(_, v)| v[0] != 1)?;
+    let text: String = v[1..v.len().min(VERDICT_WORDS)]
         .iter()
         .flat_map(|w| w.to_le_bytes())
         .take_while(|&b| b != 0)
