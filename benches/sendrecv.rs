@@ -6,7 +6,9 @@
 //! Modes (`--mode`):
 //! - `self`: one rank sends to itself (one GPU), send and receive in one group;
 //! - `inproc`: two ranks in this process (two GPUs), rank 0 sends to rank 1, in one group;
-//! - `procs`: two processes through the bootstrap (two GPUs); rank 1 prints the results.
+//! - `procs`: two processes through the bootstrap (two GPUs); rank 1 prints the results. With
+//!   `--verify-channel tcp`, verification between them goes over its network channel
+//!   (loopback TCP), as between hosts (`HANDOFF_VERIFY_CHANNEL=tcp` for both ranks).
 //!
 //! For each size, after `--warmup` untimed iterations, `--repeats` timed runs of `--iters`
 //! iterations each of each way, rotating verified, unverified and raw; each run is timed with CUDA events on the
@@ -64,6 +66,9 @@ struct Opts {
     /// Non-blocking communicators.
     #[arg(long)]
     nonblocking: bool,
+    /// `tcp`: procs mode's verification over the network channel, as between hosts.
+    #[arg(long, value_parser = ["tcp"])]
+    verify_channel: Option<String>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -84,6 +89,9 @@ fn opts() -> Result<Opts, String> {
     if o.mode != Mode::SelfRank && o.devices.len() < 2 {
         return Err("--devices needs two devices for inproc and procs".into());
     }
+    if o.verify_channel.is_some() && o.mode != Mode::Procs {
+        return Err("--verify-channel needs --mode procs (two processes)".into());
+    }
     Ok(o)
 }
 
@@ -91,7 +99,14 @@ fn main() {
     let r = opts().map_err(|e| e.to_string()).and_then(|o| {
         let launched = Launch::from_env().map_err(|e| e.to_string())?;
         match (o.mode, launched) {
-            (Mode::Procs, None) => harness::spawn_procs([o.devices[0], o.devices[1]]),
+            (Mode::Procs, None) => {
+                if let Some(c) = &o.verify_channel {
+                    // SAFETY: this process has one thread (it parsed its options and reads the
+                    // environment, nothing more, before spawning the ranks, which inherit it).
+                    unsafe { std::env::set_var("HANDOFF_VERIFY_CHANNEL", c) };
+                }
+                harness::spawn_procs([o.devices[0], o.devices[1]])
+            }
             (_, launch) => match o.dtype.as_str() {
                 "f32" => run::<f32>(&o, launch),
                 "f64" => run::<f64>(&o, launch),
@@ -128,12 +143,21 @@ struct Setup {
 fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
     match (o.mode, launch) {
         (Mode::Procs, Some(l)) => {
+            // Ranks launched by another launcher must have the variable themselves.
+            if o.verify_channel.is_some() && std::env::var("HANDOFF_VERIFY_CHANNEL").as_deref() != Ok("tcp") {
+                return Err(handoff::Error::InvalidArgument(
+                    "--verify-channel tcp: set HANDOFF_VERIFY_CHANNEL=tcp for every rank".into(),
+                ));
+            }
             let comm = l.communicator(o.comm_options())?;
             // SAFETY: both ranks run this benchmark, which posts matching sends and receives.
             let unverified = vec![l.communicator(unsafe { o.comm_options().unverified() })?];
             let role = Role::of_rank(comm.rank());
             let (send_s, recv_s) = (Stream::new(comm.device())?, Stream::new(comm.device())?);
-            let label = format!("two processes, GPUs {:?}, through the bootstrap", o.devices);
+            let mut label = format!("two processes, GPUs {:?}, through the bootstrap", o.devices);
+            if o.verify_channel.is_some() {
+                label += ", verified over the channel (loopback TCP, HANDOFF_VERIFY_CHANNEL=tcp)";
+            }
             Ok(Setup {
                 comms: vec![comm],
                 unverified,
@@ -408,7 +432,12 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
                 u - re
             );
         }
-        std::fs::write(&o.csv, harness::csv("send_recv", &o.dtype, &rows, 1.0))
+        let op = if o.verify_channel.is_some() {
+            "send_recv_verify_tcp"
+        } else {
+            "send_recv"
+        };
+        std::fs::write(&o.csv, harness::csv(op, &o.dtype, &rows, 1.0))
             .map_err(|e| handoff::Error::InvalidArgument(format!("writing {}: {e}", o.csv)))?;
         let title = format!("handoff send/recv, {}, {}", o.dtype, s.label);
         harness::plot(&o.svg, &title, &rows, 1.0)

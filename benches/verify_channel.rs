@@ -1,7 +1,11 @@
-//! The cost of verification between two processes of one host, CPU only: one round trip of a
-//! published and checked operation each way (rank 0 verifies a send to rank 1, then a receive
-//! from it; rank 1 the counterparts), through shared mailbox files and through the channel
-//! over loopback TCP (`HANDOFF_VERIFY_CHANNEL=tcp`).
+//! The cost of verification between two processes of one host, CPU only, through shared
+//! mailbox files and through the channel over loopback TCP (`HANDOFF_VERIFY_CHANNEL=tcp`):
+//! - a round trip: a published and checked operation each way (rank 0 verifies a send to rank
+//!   1, then a receive from it; rank 1 the counterparts), the latency of verification when
+//!   each rank waits for the other;
+//! - a stream: rank 0 verifies sends one at a time, rank 1 the receives, each going on as
+//!   soon as its own is checked, as two hosts that run ahead of their GPUs do: the rate of
+//!   verifications when neither rank waits for the other to finish one.
 //!
 //! `cargo bench --bench verify_channel [-- ITERATIONS]`
 
@@ -95,18 +99,38 @@ fn rank_main(rank: usize, iterations: usize) {
     for _ in 0..10 {
         step();
     }
+    let mut streamed = Vec::with_capacity(iterations);
+    for _ in 0..iterations {
+        let t = Instant::now();
+        if rank == 0 {
+            me.exchange(peer, &[8], &[]).unwrap();
+        } else {
+            me.exchange(peer, &[], &[8]).unwrap();
+        }
+        streamed.push(t.elapsed());
+    }
+    for _ in 0..10 {
+        step();
+    }
     std::fs::write(dir.join(format!("done{rank}")), b"").unwrap();
     wait_for(&dir.join(format!("done{peer}")));
     times.sort();
+    streamed.sort();
     let us = |d: Duration| d.as_secs_f64() * 1e6;
-    let mean = times.iter().map(|&d| us(d)).sum::<f64>() / times.len() as f64;
+    let mean = |t: &[Duration]| t.iter().map(|&d| us(d)).sum::<f64>() / t.len() as f64;
     if rank == 0 {
         println!(
             "remote {:?}: median {:.2} µs, mean {:.2} µs, p99 {:.2} µs per round trip",
             me.remote(),
             us(times[times.len() / 2]),
-            mean,
+            mean(&times),
             us(times[times.len() * 99 / 100])
+        );
+        println!(
+            "{:>26}stream: median {:.2} µs, mean {:.2} µs per verified send",
+            "",
+            us(streamed[streamed.len() / 2]),
+            mean(&streamed)
         );
     }
 }

@@ -12,7 +12,9 @@
 //! `K = HMAC(secret or a fixed label, T_s ‖ T_c)`, the transcript is both tokens, the ranks,
 //! the world, the flags and both nonces: neither proof can be replayed (fresh nonces),
 //! reflected (distinct labels) or made without `K`. Frame keys are `HMAC(K, "c2s"/"s2c" ‖
-//! transcript)`. Every read and write has the caller's overall deadline.
+//! transcript)`. Every read and write has the caller's overall deadline; the server's, also
+//! [`HANDSHAKE_WAIT`] from the connection (an honest client answers at once), so that
+//! connections that say nothing hold a listener's handshake slots only that long.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -29,6 +31,9 @@ const ACK: u64 = 0x4844_4f46_464f_4b31; // "HDOFFOK1"
 const HELLO_BYTES: usize = 8 + 16 + 32;
 const REPLY_BYTES: usize = 8 + 8 + 32 + 32;
 const NO_SECRET: &[u8] = b"handoff verification channel: no shared secret";
+
+/// How long a server gives a client for the whole handshake (within the overall deadline).
+pub(crate) const HANDSHAKE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 const OK: u32 = 0;
 const NOT_EXPECTED: u32 = 1;
@@ -249,7 +254,8 @@ pub(crate) fn connect(
 }
 
 /// Serves one connection to rank `me`'s listener: the client must be a rank `c` for which
-/// `token_of(c)` is its channel token, and prove it. Returns `c`.
+/// `token_of(c)` is its channel token, and prove it, within [`HANDSHAKE_WAIT`] and by
+/// `deadline`. Returns `c`.
 ///
 /// # Errors
 /// Why the connection was refused.
@@ -266,6 +272,7 @@ pub(crate) fn serve(
         let what = what.to_string();
         move |e: std::io::Error| format!("{what}: {e}")
     };
+    let deadline = deadline.min(Instant::now() + HANDSHAKE_WAIT);
     stream.set_nodelay(true).map_err(fail("setting TCP_NODELAY"))?;
     let mut hello = [0u8; HELLO_BYTES];
     read_by(&mut stream, &mut hello, deadline).map_err(fail("reading a hello"))?;

@@ -1,32 +1,44 @@
 //! The verification channel: what a shared mapping of a peer's mailbox gives a rank on one
 //! host, over TCP to a rank on another.
 //!
-//! For each remote peer a rank keeps a mirror, an in-process [`Region`] that only a receiver
-//! thread writes, from the frames the peer sends; and it forwards, as one frame, every write to
-//! its own region that the peer reads (an entry it publishes, a checked counter, a collective,
-//! its status, its heartbeat). The receiver applies each frame with the mailbox's own stores
-//! (the entry's words, then its tag with release), so [`super::verify`] reads mirrors exactly
-//! as it reads mapped files.
+//! For each remote peer a rank keeps a mirror, an in-process [`Region`] that only the frames
+//! the peer sends write; and it forwards, as a frame, every write to its own region that the
+//! peer reads (an entry it publishes, a checked counter, a collective, its status, its
+//! heartbeat). Frames are applied with the mailbox's own stores (the entry's words, then its
+//! tag with release), so [`super::verify`] reads mirrors exactly as it reads mapped files.
 //!
-//! A frame is five little-endian words (kind and four arguments) and the first 16 bytes of an
-//! HMAC-SHA256, under the connection's key for that direction (see [`super::auth`]), of its
-//! sequence number and words: a frame that is forged, replayed, reordered, cut or unknown ends
-//! the connection, and the peer's mirror reads as broken ([`super::mailbox::BROKEN`]), as does
-//! one the peer closed. A frame only ever writes the mirror's block for this rank, its
-//! collective ring and its header, at indices the mailbox reduces into the region.
+//! A frame is five little-endian words (kind and four arguments). Frames travel in records:
+//! a word counting its frames (1 to [`MAX_FRAMES`]), the frames, and the first 16 bytes of an
+//! HMAC-SHA256, under the connection's key for that direction (see [`super::auth`]), of the
+//! record's sequence number, count and frames: a record that is forged, replayed, reordered,
+//! cut, of a bad count or with a frame no handoff writes ends the connection, and the peer's
+//! mirror reads as broken ([`super::mailbox::BROKEN`]), as does one the peer closed. A frame
+//! only ever writes the mirror's block for this rank, its collective ring and its header, at
+//! indices the mailbox reduces into the region.
 //!
-//! The writing thread sends its frame itself, without blocking (`MSG_DONTWAIT`): a socket
-//! buffer holds thousands of frames and the peer's receiver drains it. Should it be full (the
-//! peer stopped reading), an entry or counter waits for room up to the communicator's timeout,
-//! without holding the connection's lock, and then the peer counts as broken; the watchdog's
-//! heartbeat and a broken note never wait (they are queued, up to a bound, behind what the
-//! socket has not taken).
+//! Who reads: a thread waiting in [`super::verify`] for a remote peer reads that peer's
+//! socket itself ([`Channel::pump`], then [`Channel::wait`] once it has spun a while), so a
+//! frame reaches the mirror without a thread waking; the connection's receiver thread reads
+//! whenever no verification has read it for [`IDLE`] (the watchdog's heartbeats, a peer's
+//! broken note), and keeps out of the way otherwise. A lock per connection keeps the two in
+//! order.
+//!
+//! Who writes: the writing thread seals and sends its frames itself, without blocking
+//! (`MSG_DONTWAIT`): a socket buffer holds thousands of frames and the peer reads them. While
+//! a verification runs, the frames of its peers are corked ([`Channel::cork`]): what it
+//! publishes and checks goes out as one record, one system call, before it waits and when it
+//! returns. Within a record a checked counter's later value replaces its earlier one, and a
+//! record of nothing but counters waits for the next record, or for the receiver thread
+//! (within twice [`IDLE`]): the peer needs counters only to reuse the slots of a full ring.
+//! Should the socket be full (the peer stopped reading), an entry or counter waits for room up
+//! to the communicator's timeout, without holding the connection's lock, and then the peer
+//! counts as broken; the watchdog's heartbeat and a broken note never wait (they are queued,
+//! up to a bound, behind what the socket has not taken).
 
-use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -37,10 +49,15 @@ use super::mailbox::Region;
 use super::wire::Dir;
 
 const FRAME_WORDS: usize = 5;
+const FRAME_BYTES: usize = FRAME_WORDS * 8;
 const TAG_BYTES: usize = 16;
-const FRAME_BYTES: usize = FRAME_WORDS * 8 + TAG_BYTES;
+/// The most frames one record carries.
+pub(super) const MAX_FRAMES: usize = 64;
+const RECORD_MAX: usize = 8 + MAX_FRAMES * FRAME_BYTES + TAG_BYTES;
 /// How much a connection queues for a peer that does not read, beyond what its socket took.
 const QUEUE_LIMIT: usize = 64 * 1024;
+/// How much one read takes at most.
+const READ_BYTES: usize = 16 * 1024;
 
 const K_PUBLISH: u64 = 1;
 const K_CHECKED: u64 = 2;
@@ -144,22 +161,40 @@ pub(super) fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn tag(key: &HmacSha256, seq: u64, words: &[u8]) -> [u8; 32] {
+/// The tag of record `seq`, whose count and frames are `body`.
+fn tag(key: &HmacSha256, seq: u64, body: &[u8]) -> [u8; 32] {
     let mut m = key.clone();
     m.update(&seq.to_le_bytes());
-    m.update(words);
+    m.update(body);
     m.finalize().into_bytes().into()
 }
 
-// Linux's send(2) flags (libc is not a dependency).
-/// Return at once instead of waiting for room in the socket buffer.
+fn word_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+// Linux's flags and poll(2)'s entry (libc is not a dependency).
+/// Return at once instead of waiting for room in the socket buffer, or for data.
 const MSG_DONTWAIT: i32 = 0x40;
 /// A closed connection is an error (EPIPE), not a SIGPIPE.
 const MSG_NOSIGNAL: i32 = 0x4000;
+/// Data to read (or the end of the stream).
+const POLLIN: i16 = 0x1;
+
+#[repr(C)]
+struct PollFd {
+    fd: i32,
+    events: i16,
+    revents: i16,
+}
 
 unsafe extern "C" {
     /// POSIX `send`.
     fn send(fd: i32, buf: *const u8, len: usize, flags: i32) -> isize;
+    /// POSIX `recv`.
+    fn recv(fd: i32, buf: *mut u8, len: usize, flags: i32) -> isize;
+    /// POSIX `poll`.
+    fn poll(fds: *mut PollFd, nfds: std::ffi::c_ulong, timeout: i32) -> i32;
 }
 
 /// Sends what of `buf` the socket takes now. `Ok(0)` when it takes nothing.
@@ -186,38 +221,131 @@ fn send_now(s: &TcpStream, buf: &[u8]) -> std::io::Result<usize> {
     }
 }
 
+/// Reads what the socket holds now, into `buf` (not empty): `Ok(None)` when it holds nothing,
+/// `Ok(Some(0))` at the end of the stream.
+fn recv_now(s: &TcpStream, buf: &mut [u8]) -> std::io::Result<Option<usize>> {
+    loop {
+        // SAFETY: `buf` is valid for writes of `buf.len()` bytes for the call; `s` owns the
+        // descriptor.
+        let n = unsafe { recv(s.as_raw_fd(), buf.as_mut_ptr(), buf.len(), MSG_DONTWAIT) };
+        if n >= 0 {
+            return Ok(Some(n as usize));
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::Interrupted => continue,
+            std::io::ErrorKind::WouldBlock => return Ok(None),
+            _ => return Err(e),
+        }
+    }
+}
+
+/// Waits up to `ms` milliseconds (0: not at all) until one of `fds` has data or has ended.
+fn poll_fds(fds: &mut [PollFd], ms: i32) {
+    // SAFETY: `fds` is valid for reads and writes of `fds.len()` entries for the call. A
+    // failure (EINTR) is an early return, which every caller treats as a spurious wake.
+    unsafe { poll(fds.as_mut_ptr(), fds.len() as std::ffi::c_ulong, ms) };
+}
+
+fn millis(d: Duration) -> i32 {
+    d.as_millis().clamp(1, i32::MAX as u128) as i32
+}
+
 /// The sending half of one connection.
 struct Out {
     stream: TcpStream,
     key: HmacSha256,
+    /// The next record's sequence number.
     seq: u64,
-    /// Frames, or the end of one, that the socket has not taken yet.
+    /// The next record so far: a count word, then its frames.
+    open: Vec<u8>,
+    frames: usize,
+    /// Sealed records, or the end of one, that the socket has not taken yet.
     queued: Vec<u8>,
+    /// What is open or queued holds an entry or counter (which waits for room).
+    must: bool,
+    /// The open record holds more than checked counters (which may wait, see
+    /// [`Channel::uncork`]).
+    urgent: bool,
+    /// Where in the open record each checked counter's frame is (sends, receives,
+    /// collectives): a later value replaces it, as it would the word in a shared mailbox.
+    counters: [Option<usize>; 3],
+    /// A verification holds the frames back until it flushes them.
+    corked: bool,
     /// The connection failed: nothing more is sent.
     dead: bool,
 }
 
 impl Out {
-    /// Queues `note`'s frame (if `always`, or the queue is short) and sends what the socket
-    /// takes. False once the connection has failed.
-    fn push(&mut self, note: Note, always: bool) -> bool {
-        if self.dead {
-            return false;
+    fn new(stream: TcpStream, key: HmacSha256) -> Out {
+        Out {
+            stream,
+            key,
+            seq: 0,
+            open: Vec::with_capacity(RECORD_MAX),
+            frames: 0,
+            queued: Vec::new(),
+            must: false,
+            urgent: false,
+            counters: [None; 3],
+            corked: false,
+            dead: false,
         }
-        if always || self.queued.len() < QUEUE_LIMIT {
-            let mut frame = [0u8; FRAME_BYTES];
-            for (i, w) in note.encode().into_iter().enumerate() {
-                frame[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
-            }
-            let t = tag(&self.key, self.seq, &frame[..FRAME_WORDS * 8]);
-            frame[FRAME_WORDS * 8..].copy_from_slice(&t[..TAG_BYTES]);
-            self.seq += 1;
-            self.queued.extend_from_slice(&frame);
-        }
-        self.flush()
     }
 
+    /// Adds `note`'s frame to the next record: always if `must`, else while the queue is short.
+    fn push(&mut self, note: Note, must: bool) {
+        if self.dead || !must && self.queued.len() + self.open.len() >= QUEUE_LIMIT {
+            return;
+        }
+        let counter = match note {
+            Note::Checked { dir, .. } => Some(dir_code(dir) as usize),
+            Note::CollChecked { .. } => Some(2),
+            _ => None,
+        };
+        if let Some(at) = counter.and_then(|c| self.counters[c]) {
+            for (i, w) in note.encode().into_iter().enumerate() {
+                self.open[at + i * 8..at + i * 8 + 8].copy_from_slice(&w.to_le_bytes());
+            }
+            return;
+        }
+        if self.frames == 0 {
+            self.open.extend_from_slice(&[0; 8]);
+        }
+        if let Some(c) = counter {
+            self.counters[c] = Some(self.open.len());
+        }
+        for w in note.encode() {
+            self.open.extend_from_slice(&w.to_le_bytes());
+        }
+        self.frames += 1;
+        self.must |= must;
+        self.urgent |= !matches!(note, Note::Checked { .. } | Note::CollChecked { .. });
+        if self.frames == MAX_FRAMES {
+            self.seal();
+        }
+    }
+
+    /// Closes the open record: its count, its tag, and into the queue.
+    fn seal(&mut self) {
+        if self.frames == 0 {
+            return;
+        }
+        self.open[..8].copy_from_slice(&(self.frames as u64).to_le_bytes());
+        let t = tag(&self.key, self.seq, &self.open);
+        self.seq += 1;
+        self.queued.extend_from_slice(&self.open);
+        self.queued.extend_from_slice(&t[..TAG_BYTES]);
+        self.open.clear();
+        self.frames = 0;
+        self.urgent = false;
+        self.counters = [None; 3];
+    }
+
+    /// Seals the open record and sends what the socket takes. False once the connection has
+    /// failed.
     fn flush(&mut self) -> bool {
+        self.seal();
         while !self.dead && !self.queued.is_empty() {
             match send_now(&self.stream, &self.queued) {
                 Ok(0) => break,
@@ -227,12 +355,122 @@ impl Out {
                 Err(_) => self.dead = true,
             }
         }
+        if self.queued.is_empty() {
+            self.must = false;
+        }
         !self.dead
+    }
+
+    /// An entry or counter is still waiting for room in the socket.
+    fn stuck(&self) -> bool {
+        self.must && !self.queued.is_empty()
+    }
+}
+
+/// The receiving half of one connection.
+struct In {
+    stream: TcpStream,
+    key: HmacSha256,
+    /// The next record's sequence number.
+    seq: u64,
+    buf: Box<[u8]>,
+    have: usize,
+    /// The connection ended: closed, failed, or it carried what no honest handoff sends.
+    ended: bool,
+}
+
+impl In {
+    /// See [`Channel::mark`].
+    fn mark(&self) -> u64 {
+        self.seq << 1 | u64::from(self.ended)
+    }
+
+    /// Reads what the socket holds and applies each whole record to `mirror`, this peer's
+    /// region as rank `me` sees it; with `discard` (the channel is being dropped), reads to the
+    /// peer's end without applying. False once the connection has ended: the mirror then
+    /// reads as broken.
+    fn drain(&mut self, mirror: &Region, me: usize, discard: bool) -> bool {
+        while !self.ended {
+            // At most a record's less than whole is kept: the buffer always has room.
+            let room = &mut self.buf[self.have..];
+            let wanted = room.len();
+            match recv_now(&self.stream, room) {
+                Ok(None) => break,
+                Ok(Some(0)) => {
+                    // Every frame of the peer's is read: its side may close now.
+                    let _ = self.stream.shutdown(Shutdown::Write);
+                    self.ended = true;
+                }
+                Ok(Some(n)) => {
+                    self.have += n;
+                    if discard {
+                        self.have = 0;
+                    } else if !self.apply(mirror, me) {
+                        self.ended = true;
+                    } else if n < wanted {
+                        // The socket is empty for now: spare the call that would say so.
+                        break;
+                    }
+                }
+                Err(_) => self.ended = true,
+            }
+        }
+        if self.ended {
+            mirror.set_broken();
+        }
+        !self.ended
+    }
+
+    /// Applies the whole records at the front of the buffer and keeps the rest. False at a
+    /// record no honest handoff sends (then nothing of it is applied).
+    fn apply(&mut self, mirror: &Region, me: usize) -> bool {
+        let mut at = 0;
+        loop {
+            let rest = &self.buf[at..self.have];
+            if rest.len() < 8 {
+                break;
+            }
+            let frames = word_at(rest, 0);
+            if frames == 0 || frames > MAX_FRAMES as u64 {
+                return false;
+            }
+            let body = 8 + frames as usize * FRAME_BYTES;
+            if rest.len() < body + TAG_BYTES {
+                break;
+            }
+            let mut m = self.key.clone();
+            m.update(&self.seq.to_le_bytes());
+            m.update(&rest[..body]);
+            // Compared in constant time: a forged tag learns nothing of the right one.
+            if m.verify_truncated_left(&rest[body..body + TAG_BYTES]).is_err() {
+                return false;
+            }
+            self.seq += 1;
+            let mut notes = [Note::Broken; MAX_FRAMES];
+            for (i, f) in rest[8..body].chunks_exact(FRAME_BYTES).enumerate() {
+                let Some(n) = Note::decode(std::array::from_fn(|w| word_at(f, w * 8))) else {
+                    return false;
+                };
+                notes[i] = n;
+            }
+            for n in &notes[..frames as usize] {
+                n.apply(mirror, me);
+            }
+            at += body + TAG_BYTES;
+        }
+        self.buf.copy_within(at..self.have, 0);
+        self.have -= at;
+        true
     }
 }
 
 struct Peer {
-    out: Mutex<Out>,
+    out: Arc<Mutex<Out>>,
+    inn: Arc<Mutex<In>>,
+    /// The socket's descriptor, to wait on (`inn`'s stream owns it).
+    fd: i32,
+    /// Counts verifications' reads: while it moves, the receiver thread keeps away.
+    reading: Arc<AtomicU64>,
     /// The peer's region as this rank sees it.
     mirror: Arc<Region>,
     /// Tells the receiver to end.
@@ -240,18 +478,34 @@ struct Peer {
     receiver: Option<JoinHandle<()>>,
 }
 
+impl Peer {
+    fn out(&self) -> MutexGuard<'_, Out> {
+        self.out.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_in(&self) -> MutexGuard<'_, In> {
+        self.inn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// How often a receiver with nothing to read looks whether its channel is being dropped.
 const STOP_POLL: Duration = Duration::from_millis(20);
+/// How long after a verification last read a connection its receiver thread reads it again.
+const IDLE: Duration = Duration::from_millis(20);
 /// How long a dropped channel waits for a peer to confirm it read every frame.
 const LINGER: Duration = Duration::from_secs(1);
 
 /// One rank's connections to its remote peers, owned by its own region.
 pub(crate) struct Channel {
+    me: usize,
     /// By rank: `None` for this rank and peers that share a mailbox file with it.
     peers: Vec<Option<Peer>>,
     /// How long an entry waits for room in a full socket.
     timeout: Duration,
 }
+
+/// Peers, and their sockets to poll.
+type Polled = (smallvec::SmallVec<[usize; 8]>, smallvec::SmallVec<[PollFd; 8]>);
 
 /// The mirrors of the peers' regions, by rank.
 pub(crate) type Mirrors = Vec<(usize, Arc<Region>)>;
@@ -281,59 +535,230 @@ impl Channel {
             let mirror = Arc::new(Region::in_process(world, c.rank));
             let fail =
                 |e: std::io::Error| format!("rank {me}'s verification channel to rank {}: {e}", c.rank);
-            c.stream.set_read_timeout(Some(STOP_POLL)).map_err(fail)?;
             let reading = c.stream.try_clone().map_err(fail)?;
+            let fd = reading.as_raw_fd();
+            let inn = Arc::new(Mutex::new(In {
+                stream: reading,
+                key: c.keys.recv,
+                seq: 0,
+                buf: vec![0; READ_BYTES].into_boxed_slice(),
+                have: 0,
+                ended: false,
+            }));
             let stop = Arc::new(AtomicBool::new(false));
+            let verifying = Arc::new(AtomicU64::new(0));
+            let out = Arc::new(Mutex::new(Out::new(c.stream, c.keys.send)));
             let receiver = {
-                let (mirror, stop) = (mirror.clone(), stop.clone());
-                let key = c.keys.recv;
+                let (out, inn, verifying, mirror, stop) = (
+                    out.clone(),
+                    inn.clone(),
+                    verifying.clone(),
+                    mirror.clone(),
+                    stop.clone(),
+                );
                 std::thread::Builder::new()
                     .name(format!("handoff-verify-r{me}-from-r{}", c.rank))
-                    .spawn(move || receive(reading, key, &mirror, me, &stop))
+                    .spawn(move || {
+                        let link = Link {
+                            out: &out,
+                            inn: &inn,
+                            fd,
+                            reading: &verifying,
+                            mirror: &mirror,
+                        };
+                        receive(&link, me, &stop)
+                    })
                     .map_err(fail)?
             };
             mirrors.push((c.rank, mirror.clone()));
             peers[c.rank] = Some(Peer {
-                out: Mutex::new(Out {
-                    stream: c.stream,
-                    key: c.keys.send,
-                    seq: 0,
-                    queued: Vec::new(),
-                    dead: false,
-                }),
+                out,
+                inn,
+                fd,
+                reading: verifying,
                 mirror,
                 stop,
                 receiver: Some(receiver),
             });
         }
-        Ok((Channel { peers, timeout }, mirrors))
+        Ok((Channel { me, peers, timeout }, mirrors))
     }
 
-    /// Sends `note` to `peer`, if remote. An entry or counter waits (bounded by the timeout)
-    /// for room in a full socket; a heartbeat or a broken note never waits.
+    fn peer(&self, peer: usize) -> Option<&Peer> {
+        self.peers.get(peer).and_then(Option::as_ref)
+    }
+
+    /// Whether `peer` is reached through this channel.
+    pub(crate) fn reaches(&self, peer: usize) -> bool {
+        self.peer(peer).is_some()
+    }
+
+    /// How many peers this channel reaches.
+    pub(crate) fn remote_count(&self) -> usize {
+        self.peers.iter().flatten().count()
+    }
+
+    /// The peers this channel reaches.
+    pub(crate) fn remote(&self) -> impl Iterator<Item = usize> + '_ {
+        self.peers
+            .iter()
+            .enumerate()
+            .filter_map(|(r, p)| p.as_ref().map(|_| r))
+    }
+
+    /// Sends `note` to `peer`, if remote (or holds it while `peer` is corked). An entry or
+    /// counter waits (bounded by the timeout) for room in a full socket; a heartbeat or a
+    /// broken note never waits.
     pub(crate) fn tell(&self, peer: usize, note: Note) {
-        let Some(Some(p)) = self.peers.get(peer) else {
+        let Some(p) = self.peer(peer) else {
             return;
         };
         let must = !matches!(note, Note::Heartbeat { .. } | Note::Broken);
-        let lock = || p.out.lock().unwrap_or_else(|e| e.into_inner());
-        if !lock().push(note, must) {
+        let mut out = p.out();
+        out.push(note, must);
+        if out.corked && !out.dead {
+            return;
+        }
+        let ok = out.flush();
+        let stuck = must && out.stuck();
+        drop(out);
+        self.settle(p, ok, stuck);
+    }
+
+    /// Sends `note` to every remote peer.
+    pub(crate) fn tell_all(&self, note: Note) {
+        for r in 0..self.peers.len() {
+            self.tell(r, note);
+        }
+    }
+
+    /// From now on, until [`Channel::uncork`], what is told to `peer` is held back and sent
+    /// at [`Channel::flush`]: a verification's notes go out together.
+    pub(crate) fn cork(&self, peer: usize) {
+        if let Some(p) = self.peer(peer) {
+            p.out().corked = true;
+        }
+    }
+
+    /// Sends what is held back for `peer`, an entry or counter waiting (bounded by the
+    /// timeout) for room in a full socket.
+    pub(crate) fn flush(&self, peer: usize) {
+        let Some(p) = self.peer(peer) else {
+            return;
+        };
+        let mut out = p.out();
+        if out.frames == 0 && out.queued.is_empty() {
+            return;
+        }
+        let ok = out.flush();
+        let stuck = out.stuck();
+        drop(out);
+        self.settle(p, ok, stuck);
+    }
+
+    /// Ends [`Channel::cork`] and flushes, except checked counters alone: the peer needs those
+    /// only to reuse the slots of a full ring, so they go with the next record, or from the
+    /// receiver thread, sparing a system call on a verification's way out.
+    pub(crate) fn uncork(&self, peer: usize) {
+        if let Some(p) = self.peer(peer) {
+            let mut out = p.out();
+            out.corked = false;
+            if out.urgent || !out.queued.is_empty() {
+                drop(out);
+                self.flush(peer);
+            }
+        }
+    }
+
+    /// How far `peer`'s mirror has come: it moves with every record applied, by whichever
+    /// thread, and when the connection ends. Compared with an earlier value by
+    /// [`Channel::pump`].
+    pub(crate) fn mark(&self, peer: usize) -> u64 {
+        self.peer(peer).map_or(0, |p| p.lock_in().mark())
+    }
+
+    /// Reads what `peer` sent into its mirror; for the next [`IDLE`], the receiver thread
+    /// leaves the connection to the verifications. True if the mirror moved since `seen` (a
+    /// [`Channel::mark`], updated): if false, nothing arrived since, and a wait on the socket
+    /// misses nothing.
+    pub(crate) fn pump(&self, peer: usize, seen: &mut u64) -> bool {
+        self.pump_if(peer, seen, true)
+    }
+
+    fn pump_if(&self, peer: usize, seen: &mut u64, read: bool) -> bool {
+        let Some(p) = self.peer(peer) else {
+            return false;
+        };
+        p.reading.fetch_add(1, Ordering::Relaxed);
+        // Waits at most for the receiver thread to apply what it read (it never waits with
+        // the lock held), so that the mark covers it.
+        let mut inn = p.lock_in();
+        if read {
+            inn.drain(&p.mirror, self.me, false);
+        }
+        let was = std::mem::replace(seen, inn.mark());
+        was != *seen
+    }
+
+    /// [`Channel::pump`] of each of `peers`, with `seen` theirs, reading only the sockets that
+    /// have something: one system call to ask them all, then one for each that has.
+    pub(crate) fn pump_ready(&self, peers: impl Iterator<Item = usize>, seen: &mut [u64]) -> bool {
+        let (peers, mut fds) = self.fds(peers);
+        poll_fds(&mut fds, 0);
+        let mut any = false;
+        for ((r, f), seen) in peers.into_iter().zip(&fds).zip(seen) {
+            any |= self.pump_if(r, seen, f.revents != 0);
+        }
+        any
+    }
+
+    /// Waits up to `timeout` (at least a millisecond) until one of `peers` sent something.
+    pub(crate) fn wait(&self, peers: impl Iterator<Item = usize>, timeout: Duration) {
+        let (_, mut fds) = self.fds(peers);
+        if !fds.is_empty() {
+            poll_fds(&mut fds, millis(timeout));
+        }
+    }
+
+    /// The remote ones of `peers`, and their sockets to poll.
+    fn fds(&self, peers: impl Iterator<Item = usize>) -> Polled {
+        peers
+            .filter_map(|r| self.peer(r).map(|p| (r, p)))
+            .map(|(r, p)| {
+                (
+                    r,
+                    PollFd {
+                        fd: p.fd,
+                        events: POLLIN,
+                        revents: 0,
+                    },
+                )
+            })
+            .unzip()
+    }
+
+    /// After a send to `p`: a failed connection makes the peer broken; an entry or counter
+    /// the full socket did not take waits for room.
+    fn settle(&self, p: &Peer, ok: bool, stuck: bool) {
+        if !ok {
             p.mirror.set_broken();
-            return;
+        } else if stuck {
+            self.wait_for_room(p);
         }
-        if !must {
-            return;
-        }
-        // Full: wait for room without holding the lock, so that the watchdog's notes queue.
+    }
+
+    /// Waits for room in `p`'s full socket without holding the lock, so that the watchdog's
+    /// notes queue; bounded by the timeout.
+    fn wait_for_room(&self, p: &Peer) {
         let started = Instant::now();
         let mut spins = 0u32;
         loop {
             {
-                let mut out = lock();
+                let mut out = p.out();
                 if !out.flush() {
                     break;
                 }
-                if out.queued.is_empty() {
+                if !out.stuck() {
                     return;
                 }
                 if started.elapsed() >= self.timeout {
@@ -352,13 +777,6 @@ impl Channel {
         // ends as for a broken peer.
         p.mirror.set_broken();
     }
-
-    /// Sends `note` to every remote peer.
-    pub(crate) fn tell_all(&self, note: Note) {
-        for r in 0..self.peers.len() {
-            self.tell(r, note);
-        }
-    }
 }
 
 impl Drop for Channel {
@@ -369,7 +787,7 @@ impl Drop for Channel {
     fn drop(&mut self) {
         for p in self.peers.iter().flatten() {
             p.stop.store(true, Ordering::Relaxed);
-            let mut out = p.out.lock().unwrap_or_else(|e| e.into_inner());
+            let mut out = p.out();
             out.flush();
             let _ = out.stream.shutdown(Shutdown::Write);
         }
@@ -381,60 +799,76 @@ impl Drop for Channel {
     }
 }
 
-/// The receiver of one connection: applies each frame to `mirror` until the connection ends
-/// or carries a frame no honest handoff sends; then the mirror reads as broken.
-fn receive(mut stream: TcpStream, key: HmacSha256, mirror: &Region, me: usize, stop: &AtomicBool) {
-    let mut seq = 0u64;
-    let mut frame = [0u8; FRAME_BYTES];
-    let mut have = 0;
+/// What a receiver thread uses of its connection.
+struct Link<'a> {
+    out: &'a Mutex<Out>,
+    inn: &'a Mutex<In>,
+    fd: i32,
+    reading: &'a AtomicU64,
+    mirror: &'a Region,
+}
+
+/// The receiver thread of one connection: reads it whenever no verification has for
+/// [`IDLE`], until the connection ends or carries a record no honest handoff sends (then the
+/// mirror reads as broken); and sends the checked counters a verification left.
+fn receive(link: &Link<'_>, me: usize, stop: &AtomicBool) {
+    let Link {
+        out,
+        inn,
+        fd,
+        reading,
+        mirror,
+    } = *link;
+    let mut seen = reading.load(Ordering::Relaxed);
     let mut stopping: Option<Instant> = None;
     loop {
-        if stop.load(Ordering::Relaxed) && stopping.get_or_insert_with(Instant::now).elapsed() >= LINGER {
-            break;
-        }
-        match stream.read(&mut frame[have..]) {
-            Ok(0) => {
-                // Every frame of the peer's is read: its side may close now.
-                let _ = stream.shutdown(Shutdown::Write);
+        if stop.load(Ordering::Relaxed) {
+            if stopping.get_or_insert_with(Instant::now).elapsed() >= LINGER {
                 break;
             }
-            Ok(n) => have += n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(_) => break,
+        } else {
+            {
+                let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
+                if !out.corked && (out.frames > 0 || !out.queued.is_empty()) && !out.flush() {
+                    mirror.set_broken();
+                }
+            }
+            let now = reading.load(Ordering::Relaxed);
+            if now != seen {
+                // A verification reads this connection: a wake of this thread for each of its
+                // frames would only slow it.
+                seen = now;
+                std::thread::sleep(IDLE);
+                continue;
+            }
         }
-        if have < FRAME_BYTES || stopping.is_some() {
-            // Once dropping, frames are only read to the peer's end.
-            have %= FRAME_BYTES;
-            continue;
-        }
-        have = 0;
-        let (words, their_tag) = frame.split_at(FRAME_WORDS * 8);
-        // Compared in constant time: a forged tag learns nothing of the right one.
-        let mut m = key.clone();
-        m.update(&seq.to_le_bytes());
-        m.update(words);
-        if m.verify_truncated_left(their_tag).is_err() {
+        poll_fds(
+            &mut [PollFd {
+                fd,
+                events: POLLIN,
+                revents: 0,
+            }],
+            millis(STOP_POLL),
+        );
+        // Once dropping, frames are only read to the peer's end.
+        let mut i = inn.lock().unwrap_or_else(|e| e.into_inner());
+        if !i.drain(mirror, me, stopping.is_some()) {
             break;
         }
-        seq += 1;
-        let w: [u64; FRAME_WORDS] =
-            std::array::from_fn(|i| u64::from_le_bytes(words[i * 8..i * 8 + 8].try_into().expect("8 bytes")));
-        let Some(note) = Note::decode(w) else {
-            break;
-        };
-        note.apply(mirror, me);
     }
     mirror.set_broken();
 }
 
+/// One record of `frames` under `key` as sequence number `seq`, as a peer sends it.
 #[cfg(test)]
-pub(super) fn frame_for_test(key: &HmacSha256, seq: u64, words: [u64; FRAME_WORDS]) -> Vec<u8> {
-    let mut frame = vec![0u8; FRAME_BYTES];
-    for (i, w) in words.into_iter().enumerate() {
-        frame[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
+pub(super) fn record_for_test(key: &HmacSha256, seq: u64, frames: &[[u64; FRAME_WORDS]]) -> Vec<u8> {
+    let mut r = (frames.len() as u64).to_le_bytes().to_vec();
+    for f in frames {
+        for w in f {
+            r.extend_from_slice(&w.to_le_bytes());
+        }
     }
-    let t = tag(key, seq, &frame[..FRAME_WORDS * 8]);
-    frame[FRAME_WORDS * 8..].copy_from_slice(&t[..TAG_BYTES]);
-    frame
+    let t = tag(key, seq, &r);
+    r.extend_from_slice(&t[..TAG_BYTES]);
+    r
 }

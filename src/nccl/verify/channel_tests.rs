@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::auth::{self, Keys, Pair};
-use super::channel::{Channel, Connection, frame_for_test, now_ms};
+use super::channel::{Channel, Connection, MAX_FRAMES, now_ms, record_for_test};
 use super::mailbox::{BROKEN, Region};
 use super::wire::{CollDesc, CollKind, Dir, NONE, OpDesc, P2P};
 use super::{CollOps, Failure, Mailboxes, PairOps, verify};
@@ -75,7 +75,68 @@ fn two(secret: Option<&'static [u8]>, timeout: Duration) -> [Mailboxes; 2] {
     [side(0, s_stream, s_keys), side(1, c_stream, c_keys)]
 }
 
+/// `n` ranks of this process, every pair joined by the channel (no mailbox files).
+fn world(n: usize, timeout: Duration) -> Vec<Mailboxes> {
+    let token = |r: usize| T0 ^ ((r as u128 + 1) * 0x0101_0101);
+    let mut connections: Vec<Vec<Connection>> = (0..n).map(|_| Vec::new()).collect();
+    for server in 0..n {
+        for client in server + 1..n {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = l.local_addr().unwrap();
+            let pair = Pair {
+                server,
+                client,
+                world: n,
+                server_token: token(server),
+                client_token: token(client),
+            };
+            let c = std::thread::spawn(move || auth::connect(addr, pair, None, deadline(2_000)).unwrap());
+            let (s, _) = l.accept().unwrap();
+            let token_of = |c: usize| (c == client).then_some(token(client));
+            let (_, stream, keys) =
+                auth::serve(s, server, n, token(server), &token_of, None, deadline(2_000)).unwrap();
+            connections[server].push(Connection {
+                rank: client,
+                stream,
+                keys,
+            });
+            let (stream, keys) = c.join().unwrap();
+            connections[client].push(Connection {
+                rank: server,
+                stream,
+                keys,
+            });
+        }
+    }
+    connections
+        .into_iter()
+        .enumerate()
+        .map(|(me, c)| {
+            let (channel, mirrors) = Channel::start(me, n, c, timeout).unwrap();
+            let own = Arc::new(Region::in_process(n, me));
+            own.install_channel(channel);
+            let mut regions: Vec<Option<Arc<Region>>> = (0..n).map(|_| None).collect();
+            regions[me] = Some(own);
+            for (r, m) in mirrors {
+                regions[r] = Some(m);
+            }
+            let regions: Vec<Arc<Region>> = regions.into_iter().map(Option::unwrap).collect();
+            Mailboxes::new(me, regions.into())
+        })
+        .collect()
+}
+
 fn ops<'a>(boxes: &'a Mailboxes, sends: &[u64], recvs: &[u64], timeout: Duration) -> PairOps<'a> {
+    with(boxes, 1 - boxes.rank, sends, recvs, timeout)
+}
+
+fn with<'a>(
+    boxes: &'a Mailboxes,
+    peer: usize,
+    sends: &[u64],
+    recvs: &[u64],
+    timeout: Duration,
+) -> PairOps<'a> {
     let op = |&count: &u64| OpDesc {
         count,
         dtype: 7,
@@ -84,7 +145,7 @@ fn ops<'a>(boxes: &'a Mailboxes, sends: &[u64], recvs: &[u64], timeout: Duration
     };
     PairOps {
         boxes,
-        peer: 1 - boxes.rank,
+        peer,
         sends: sends.iter().map(op).collect(),
         recvs: recvs.iter().map(op).collect(),
         local: false,
@@ -164,6 +225,73 @@ fn operations_and_collectives_are_checked_through_mirrors_and_a_mismatch_fails_b
 }
 
 #[test]
+fn four_ranks_agree_on_collectives_and_a_ring_of_sends_and_all_refuse_a_difference() {
+    let coll = |count: u64| CollDesc {
+        kind: CollKind::AllReduce,
+        count,
+        dtype: 7,
+        redop: 0,
+        root: NONE,
+        captured: false,
+    };
+    let n = 4;
+    let run = |ranks: Vec<Mailboxes>, last: Vec<u64>| {
+        let threads: Vec<_> = ranks
+            .into_iter()
+            .zip(last)
+            .map(|(b, last)| {
+                std::thread::spawn(move || {
+                    let me = b.rank;
+                    let c = |count: u64| CollOps {
+                        boxes: &b,
+                        ops: [coll(count)].into_iter().collect(),
+                        local: false,
+                        timeout: 5 * SECOND,
+                    };
+                    // Past the ring, one collective per group, with a send round the ring
+                    // between them.
+                    let mut r = Ok(());
+                    for i in 1..=100u64 {
+                        r = r.and_then(|()| verify(&[], &[c(i)]));
+                        let to = |peer: usize, sends: &[u64], recvs: &[u64]| {
+                            with(&b, peer, sends, recvs, 5 * SECOND)
+                        };
+                        r = r.and_then(|()| {
+                            verify(
+                                &[to((me + 1) % n, &[i], &[]), to((me + n - 1) % n, &[], &[i])],
+                                &[],
+                            )
+                        });
+                    }
+                    (r.and_then(|()| verify(&[], &[c(last)])), b)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect::<Vec<_>>()
+    };
+    let done = run(world(n, 5 * SECOND), vec![7; n]);
+    let mut ranks = Vec::new();
+    for (r, (res, b)) in done.into_iter().enumerate() {
+        assert_eq!(res, Ok(()), "rank {r}");
+        ranks.push(b);
+    }
+    // Rank 3's next all_reduce differs: every rank refuses it.
+    for (r, (res, _)) in run(ranks, {
+        let mut v = vec![9; n];
+        v[n - 1] = 10;
+        v
+    })
+    .into_iter()
+    .enumerate()
+    {
+        assert!(
+            matches!(&res, Err(Failure::Mismatch(m)) if m.contains("10") && m.contains('9')),
+            "rank {r}: {res:?}"
+        );
+    }
+}
+
+#[test]
 fn heartbeats_and_broken_notes_cross_and_a_closed_peer_reads_as_broken() {
     let [a, b] = two(None, 5 * SECOND);
     let now = now_ms();
@@ -230,12 +358,12 @@ fn forged_replayed_or_unknown_frames_end_the_connection() {
     let cases: Vec<(&str, Bytes)> = vec![
         (
             "honest",
-            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, publish(0, 4))),
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[publish(0, 4)])),
         ),
         (
             "a flipped bit",
             Box::new(move |k: &Keys| {
-                let mut f = frame_for_test(&k.send, 0, publish(0, 4));
+                let mut f = record_for_test(&k.send, 0, &[publish(0, 4)]);
                 f[24] ^= 1;
                 f
             }),
@@ -243,29 +371,40 @@ fn forged_replayed_or_unknown_frames_end_the_connection() {
         (
             "a replayed frame",
             Box::new(move |k: &Keys| {
-                let f = frame_for_test(&k.send, 0, publish(0, 4));
+                let f = record_for_test(&k.send, 0, &[publish(0, 4)]);
                 [f.clone(), f].concat()
             }),
         ),
         (
             "the wrong key",
-            Box::new(move |k: &Keys| frame_for_test(&k.recv, 0, publish(0, 4))),
+            Box::new(move |k: &Keys| record_for_test(&k.recv, 0, &[publish(0, 4)])),
         ),
         (
             "an unknown kind",
-            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, [99, 0, 0, 0, 0])),
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[[99, 0, 0, 0, 0]])),
         ),
         (
             "a bad direction",
-            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, [1, 2, 0, 4, 7])),
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[[1, 2, 0, 4, 7]])),
         ),
         (
             "entry u64::MAX",
-            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, publish(u64::MAX, 4))),
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[publish(u64::MAX, 4)])),
+        ),
+        (
+            "a record of no frames",
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[])),
+        ),
+        (
+            "more frames than a record holds",
+            Box::new(move |k: &Keys| {
+                let frames: Vec<[u64; 5]> = (0..=MAX_FRAMES as u64).map(|i| publish(i, 4)).collect();
+                record_for_test(&k.send, 0, &frames)
+            }),
         ),
         (
             "half a frame",
-            Box::new(move |k: &Keys| frame_for_test(&k.send, 0, publish(0, 4))[..30].to_vec()),
+            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[publish(0, 4)])[..30].to_vec()),
         ),
     ];
     for (what, bytes) in cases {
@@ -292,6 +431,63 @@ fn forged_replayed_or_unknown_frames_end_the_connection() {
 }
 
 #[test]
+fn a_record_is_applied_whole_or_not_at_all() {
+    let publish = |index: u64| {
+        let [w0, w1] = OpDesc {
+            count: 4,
+            dtype: 7,
+            captured: false,
+            part: P2P,
+        }
+        .encode();
+        [1, 1, index, w0, w1]
+    };
+    let (a, peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0), publish(1)]));
+    assert_eq!(verify(&[ops(&a, &[4, 4], &[], 2 * SECOND)], &[]), Ok(()));
+    drop(peer);
+    // An honest entry and a frame no handoff writes, in one record: the entry is not applied.
+    let (a, peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0), [99, 0, 0, 0, 0]]));
+    assert_eq!(
+        verify(&[ops(&a, &[4], &[], 2 * SECOND)], &[]),
+        Err(Failure::PeerBroken(1))
+    );
+    assert_eq!(a.regions[1].read(0, Dir::Recv, 0), None);
+    drop(peer);
+}
+
+#[test]
+fn checked_counters_a_verification_leaves_reach_the_peer_without_another() {
+    // Rank 1 posts a whole ring of receives, then rank 0 the sends: rank 1 leaves with its
+    // last checked counters held back. Rank 1 then verifies nothing more, yet rank 0's next
+    // ring of sends, whose last needs the slot the last counter frees, must be published.
+    let [a, b] = two(None, 5 * SECOND);
+    let n = super::mailbox::RING;
+    let ring: Vec<u64> = (1..=n).collect();
+    let sent = ring.clone();
+    let tb = std::thread::spawn(move || (verify(&[ops(&b, &[], &ring, 5 * SECOND)], &[]), b));
+    std::thread::sleep(Duration::from_millis(100));
+    verify(&[ops(&a, &sent, &[], 5 * SECOND)], &[]).unwrap();
+    let (rb, b) = tb.join().unwrap();
+    rb.unwrap();
+    let again = sent.clone();
+    let ta = std::thread::spawn(move || verify(&[ops(&a, &again, &[], 5 * SECOND)], &[]));
+    let t = Instant::now();
+    while b.regions[0].read(1, Dir::Send, 2 * n - 1).is_none() {
+        assert!(
+            t.elapsed() < 2 * SECOND,
+            "rank 0's send past the ring was not published: rank 1's counters never left"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    eprintln!(
+        "channel: a send past a full ring was published after {:?}",
+        t.elapsed()
+    );
+    verify(&[ops(&b, &[], &sent, 5 * SECOND)], &[]).unwrap();
+    ta.join().unwrap().unwrap();
+}
+
+#[test]
 fn a_replayed_frame_is_refused_while_the_connection_stays_open() {
     let publish = |index: u64| {
         let [w0, w1] = OpDesc {
@@ -305,8 +501,8 @@ fn a_replayed_frame_is_refused_while_the_connection_stays_open() {
     };
     let (a, peer) = raw_peer(move |k| {
         [
-            frame_for_test(&k.send, 0, publish(0)),
-            frame_for_test(&k.send, 0, publish(1)),
+            record_for_test(&k.send, 0, &[publish(0)]),
+            record_for_test(&k.send, 0, &[publish(1)]),
         ]
         .concat()
     });

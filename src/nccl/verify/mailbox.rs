@@ -343,6 +343,11 @@ impl Region {
         );
     }
 
+    /// The owner's connections to its remote peers, if it has any.
+    pub(crate) fn channel(&self) -> Option<&Channel> {
+        self.channel.get()
+    }
+
     fn tell(&self, peer: usize, note: Note) {
         if let Some(c) = self.channel.get() {
             c.tell(peer, note);

@@ -166,6 +166,103 @@ pub(crate) enum Failure {
     },
 }
 
+/// The remote peers one verification waits on, through its rank's channel: while it runs,
+/// what it tells them is corked, and goes out before it waits and when it returns (on every
+/// path: a mismatch reaches the peer too); it reads their sockets itself (see [`channel`]).
+struct Links<'a> {
+    links: SmallVec<[(&'a channel::Channel, usize); 4]>,
+    /// Each link's [`channel::Channel::mark`] when this verification last looked.
+    seen: SmallVec<[u64; 4]>,
+    /// Every peer the verification may wait on is remote: their sockets say when to look.
+    all_remote: bool,
+}
+
+impl<'a> Links<'a> {
+    fn of(pairs: &[PairOps<'a>], colls: &[CollOps<'a>]) -> Links<'a> {
+        let mut links: SmallVec<[(&'a channel::Channel, usize); 4]> = SmallVec::new();
+        let mut all_remote = true;
+        let mut add = |c: &'a channel::Channel, r: usize| {
+            if !links.iter().any(|&(d, s)| std::ptr::eq(c, d) && r == s) {
+                links.push((c, r));
+            }
+        };
+        for p in pairs.iter().filter(|p| !p.local) {
+            match p.boxes.mine().channel().filter(|c| c.reaches(p.peer)) {
+                Some(c) => add(c, p.peer),
+                None => all_remote = false,
+            }
+        }
+        for c in colls.iter().filter(|c| !c.local) {
+            match c.boxes.mine().channel() {
+                Some(ch) => {
+                    all_remote &= ch.remote_count() + 1 == c.boxes.regions.len();
+                    ch.remote().for_each(|r| add(ch, r));
+                }
+                None => all_remote &= c.boxes.regions.len() == 1,
+            }
+        }
+        for &(c, r) in &links {
+            c.cork(r);
+        }
+        let seen = links.iter().map(|&(c, r)| c.mark(r)).collect();
+        Links {
+            links,
+            seen,
+            all_remote,
+        }
+    }
+
+    /// Reads the remote peers' sockets. False only if no mirror moved since the last look.
+    fn pump(&mut self) -> bool {
+        if let Some(c) = self.one_channel().filter(|_| self.links.len() > 2) {
+            // Many peers (a collective's): ask which sockets have something first.
+            return c.pump_ready(self.links.iter().map(|&(_, r)| r), &mut self.seen);
+        }
+        let mut any = false;
+        for (&(c, r), seen) in self.links.iter().zip(&mut self.seen) {
+            any |= c.pump(r, seen);
+        }
+        any
+    }
+
+    /// The channel every link goes through, if one does.
+    fn one_channel(&self) -> Option<&'a channel::Channel> {
+        let &(c, _) = self.links.first()?;
+        self.links.iter().all(|&(d, _)| std::ptr::eq(c, d)).then_some(c)
+    }
+
+    fn flush(&self) {
+        for &(c, r) in &self.links {
+            c.flush(r);
+        }
+    }
+
+    /// Waits up to `timeout` for a remote peer to send something.
+    fn wait(&self, timeout: Duration) {
+        match self.one_channel() {
+            Some(c) => c.wait(self.links.iter().map(|&(_, r)| r), timeout),
+            None => std::thread::sleep(Duration::from_micros(50)),
+        }
+    }
+}
+
+impl Drop for Links<'_> {
+    fn drop(&mut self) {
+        for &(c, r) in &self.links {
+            c.uncork(r);
+        }
+    }
+}
+
+/// How many times a verification waiting only for remote peers looks before it sleeps on
+/// their sockets: each look reads them (a system call), so this is some 100 µs, more than a
+/// frame takes over a loopback or a LAN; spinning longer starves ranks that share the cores.
+const REMOTE_SPINS: u32 = 200;
+
+/// How long a verification waiting only for remote peers sleeps on their sockets at a time,
+/// once it has spun: a frame wakes it at once; this bounds how late it sees a timeout.
+const REMOTE_WAIT: Duration = Duration::from_millis(5);
+
 #[derive(Default, Clone, Copy)]
 struct Done {
     published: [usize; 2],
@@ -186,6 +283,8 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
             checked: SmallVec::from_elem(0, c.boxes.regions.len()),
         })
         .collect();
+    let mut links = Links::of(pairs, colls);
+    let mut pumped = false;
     let mut spins = 0u32;
     loop {
         let mut progressed = false;
@@ -201,7 +300,11 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
         }
         if finished {
             // A peer whose entries were all there may have broken since it published them: it
-            // will not post its side, so do not post ours.
+            // will not post its side, so do not post ours. (A remote peer's note of it may be
+            // in its socket still, if this call has not read it yet.)
+            if !pumped {
+                links.pump();
+            }
             let broken_pair = pairs
                 .iter()
                 .find(|p| !p.local && p.boxes.regions[p.peer].status() == BROKEN)
@@ -215,6 +318,11 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
                 None => Ok(()),
             };
         }
+        // What this step published and checked goes out before this rank waits, and what
+        // remote peers sent since comes in.
+        links.flush();
+        progressed |= links.pump();
+        pumped = true;
         if progressed {
             spins = 0;
             continue;
@@ -277,10 +385,13 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
             }
         }
         // A peer on another core usually posts within microseconds; a slow one gets the CPU
-        // back.
+        // back, and remote ones wake this thread when they send.
         spins += 1;
-        if spins < 2_000 {
+        let remote = links.all_remote && !links.links.is_empty();
+        if spins < if remote { REMOTE_SPINS } else { 2_000 } {
             std::hint::spin_loop();
+        } else if remote {
+            links.wait(REMOTE_WAIT);
         } else if spins < 2_100 {
             std::thread::yield_now();
         } else {

@@ -40,8 +40,9 @@ pub(crate) struct Settled {
     pub(crate) refused: usize,
 }
 
-/// How many handshakes a listener serves at once (each on its own thread, bounded by the
-/// deadline); connections beyond are closed at once.
+/// How many handshakes a listener serves at once (each on its own thread, bounded by
+/// [`auth::HANDSHAKE_WAIT`]); connections beyond wait in the listener's backlog until one
+/// ends.
 const MAX_HANDSHAKES: usize = 32;
 
 /// This rank's kernel and mount namespace, zero where unknown.
@@ -99,6 +100,30 @@ pub(crate) fn listen_addr() -> std::result::Result<SocketAddr, String> {
     }
 }
 
+/// What a rank's setup takes from its environment (see the module's "Variables").
+pub(crate) struct Env {
+    /// Where its mailbox file goes.
+    pub(crate) dir: PathBuf,
+    /// Every pair uses the channel.
+    pub(crate) forced: bool,
+    /// Where its channel listens, or why it cannot.
+    pub(crate) addr: std::result::Result<SocketAddr, String>,
+    pub(crate) secret: Option<Vec<u8>>,
+}
+
+impl Env {
+    /// # Errors
+    /// A variable is malformed, or the secret cannot be read.
+    fn read() -> std::result::Result<Env, String> {
+        Ok(Env {
+            dir: mailbox_dir(),
+            forced: forced()?,
+            addr: listen_addr(),
+            secret: auth::job_secret()?,
+        })
+    }
+}
+
 /// This rank's part before the first exchange.
 struct Mine {
     region: Region,
@@ -111,26 +136,29 @@ struct Mine {
     forced: bool,
 }
 
-fn prepare(world: usize, rank: usize, token: u64) -> std::result::Result<Mine, String> {
-    let forced = forced()?;
-    let secret = auth::job_secret()?;
+fn prepare(
+    world: usize,
+    rank: usize,
+    token: u64,
+    env: std::result::Result<Env, String>,
+) -> std::result::Result<Mine, String> {
+    let env = env?;
     let channel_token = u128::from_le_bytes(auth::random::<16>()?);
-    let (listener, no_listener) = match listen_addr().and_then(|a| {
+    let (listener, no_listener) = match env.addr.and_then(|a| {
         TcpListener::bind(a).map_err(|e| format!("binding the verification channel to {a}: {e}"))
     }) {
         Ok(l) => (Some(l), String::new()),
         Err(e) => (None, e),
     };
-    let (region, path) =
-        Region::create_file(&mailbox_dir(), world, rank, token).map_err(|e| e.to_string())?;
+    let (region, path) = Region::create_file(&env.dir, world, rank, token).map_err(|e| e.to_string())?;
     Ok(Mine {
         region,
         path,
         listener,
         no_listener,
         token: channel_token,
-        secret,
-        forced,
+        secret: env.secret,
+        forced: env.forced,
     })
 }
 
@@ -159,10 +187,23 @@ pub(crate) fn settle(
     timeout: Duration,
     gather: &mut Gather<'_>,
 ) -> Result<Option<Settled>> {
+    settle_in(rank, world, verified, token, timeout, gather, Env::read)
+}
+
+/// [`settle`], with `env` for what it would read from the environment.
+pub(crate) fn settle_in(
+    rank: usize,
+    world: usize,
+    verified: bool,
+    token: u64,
+    timeout: Duration,
+    gather: &mut Gather<'_>,
+    env: impl FnOnce() -> std::result::Result<Env, String>,
+) -> Result<Option<Settled>> {
     let mut problem = String::new();
     let mut mine = None;
     if verified {
-        match prepare(world, rank, token) {
+        match prepare(world, rank, token, env()) {
             Ok(m) => mine = Some(m),
             Err(e) => problem = e,
         }
@@ -172,7 +213,7 @@ pub(crate) fn settle(
             let _ = std::fs::remove_file(&m.path);
         }
     };
-    let card = Card {
+    let card = |mine: &Option<Mine>| Card {
         verified,
         rank: rank as u32,
         world: world as u32,
@@ -190,7 +231,22 @@ pub(crate) fn settle(
         channel_token: mine.as_ref().map_or(0, |m| m.token),
         tuning: super::wire::tuning_digest(|k| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned())),
     };
-    let words = card.encode().map_err(setup_error)?;
+    let words = match card(&mine).encode() {
+        Ok(w) => w,
+        Err(e) => {
+            // Every rank takes part in every exchange, so that each fails saying why, not
+            // waiting for this one: this rank's card goes without its part, and the problem
+            // with the next round's flags.
+            removed(&mine);
+            mine = None;
+            problem = format!(
+                "the mailbox path is too long for a communicator's card: set TMPDIR to a shorter \
+                 folder ({e})"
+            );
+            card(&mine).encode().map_err(setup_error)?
+        }
+    };
+    let card = card(&mine);
     let gathered = gather(&words).inspect_err(|_| removed(&mine))?;
     let cards: Vec<Card> = gathered
         .chunks(CARD_WORDS)
@@ -221,23 +277,23 @@ pub(crate) fn settle(
         }
     }
     let bitmap_words = world.div_ceil(64);
-    let mut flags = vec![0u64; 1 + bitmap_words];
-    flags[0] = u64::from(problem.is_empty());
+    let mut flags = verdict(&problem).to_vec();
+    flags.resize(VERDICT_WORDS + bitmap_words, 0);
     for (r, m) in mapped.iter().enumerate() {
         if m.is_some() {
-            flags[1 + r / 64] |= 1 << (r % 64);
+            flags[VERDICT_WORDS + r / 64] |= 1 << (r % 64);
         }
     }
     let all = gather(&flags);
     removed(&mine);
     let all = all?;
-    let has = |of: usize, r: usize| all[of * flags.len() + 1 + r / 64] >> (r % 64) & 1 == 1;
+    let has = |of: usize, r: usize| all[of * flags.len() + VERDICT_WORDS + r / 64] >> (r % 64) & 1 == 1;
     if !problem.is_empty() {
         return Err(setup_error(problem));
     }
-    if let Some(bad) = (0..world).find(|&r| all[r * flags.len()] != 1) {
+    if let Some((bad, why)) = first_problem(&all, flags.len()) {
         return Err(setup_error(format!(
-            "rank {bad} could not set up verification (its error says why)"
+            "rank {bad} could not set up verification: {why}"
         )));
     }
     let m = mine.expect("a verified rank without a problem has its part");
@@ -261,13 +317,13 @@ pub(crate) fn settle(
     } else {
         None
     };
-    let ok = gather(&[u64::from(problem.is_empty())])?;
+    let ok = gather(&verdict(&problem))?;
     if !problem.is_empty() {
         return Err(setup_error(problem));
     }
-    if let Some(bad) = ok.iter().position(|&w| w != 1) {
+    if let Some((bad, why)) = first_problem(&ok, VERDICT_WORDS) {
         return Err(setup_error(format!(
-            "rank {bad} could not connect its verification channel (its error says why)"
+            "rank {bad} could not connect its verification channel: {why}"
         )));
     }
     let (channel, mirrors) = started.expect("started without a problem");
@@ -290,6 +346,42 @@ pub(crate) fn settle(
         remote,
         refused,
     }))
+}
+
+/// Words of a rank's verdict in an exchange: whether it succeeded, and the start of why not.
+const VERDICT_WORDS: usize = 1 + 24;
+
+/// `problem` (empty: none) as a rank tells the others.
+fn verdict(problem: &str) -> [u64; VERDICT_WORDS] {
+    let mut w = [0u64; VERDICT_WORDS];
+    w[0] = u64::from(problem.is_empty());
+    let text = problem.as_bytes();
+    for (i, chunk) in text.chunks(8).take(VERDICT_WORDS - 1).enumerate() {
+        let mut b = [0u8; 8];
+        b[..chunk.len()].copy_from_slice(chunk);
+        w[1 + i] = u64::from_le_bytes(b);
+    }
+    w
+}
+
+/// The first rank whose verdict, at the start of each `stride` words of `all`, is a problem,
+/// and what it said (printable characters only: the text is a peer's).
+fn first_problem(all: &[u64], stride: usize) -> Option<(usize, String)> {
+    let (bad, v) = all.chunks(stride).enumerate().find(|(_, v)| v[0] != 1)?;
+    let text: String = v[1..v.len().min(VERDICT_WORDS)]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .take_while(|&b| b != 0)
+        .map(|b| if (0x20..0x7f).contains(&b) { b as char } else { '?' })
+        .collect();
+    let why = if text.is_empty() {
+        "its error says why".into()
+    } else if text.len() == (VERDICT_WORDS - 1) * 8 {
+        format!("{text}… (its error says the rest)")
+    } else {
+        text
+    };
+    Some((bad, why))
 }
 
 /// Connects to every remote peer of lower rank, then serves every one of higher rank, each
@@ -366,8 +458,15 @@ fn connect_all(
                 }
             ));
         }
-        match listener.accept() {
-            Ok((stream, _)) if Arc::strong_count(&live) <= MAX_HANDSHAKES => {
+        // With every handshake slot taken, a connection waits in the backlog, unaccepted.
+        let accepted = if Arc::strong_count(&live) <= MAX_HANDSHAKES {
+            listener.accept().map(Some)
+        } else {
+            Ok(None)
+        };
+        match accepted {
+            Ok(None) => {}
+            Ok(Some((stream, _))) => {
                 let (tx, tokens, live, secret) = (tx.clone(), tokens.clone(), live.clone(), m.secret.clone());
                 let my_token = m.token;
                 let _ = std::thread::Builder::new()
@@ -388,7 +487,6 @@ fn connect_all(
                     });
                 continue;
             }
-            Ok(_) => refused += 1,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(format!("rank {rank}'s verification listener: {e}")),
         }
@@ -413,4 +511,173 @@ fn connect_all(
         }
     }
     Ok((connections, refused))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpStream;
+    use std::path::Path;
+    use std::sync::{Condvar, Mutex};
+
+    use super::*;
+    use crate::nccl::verify::wire::PATH_BYTES;
+
+    /// An all-gather between ranks on threads, each round given up after `limit`.
+    struct Exchange {
+        world: usize,
+        rounds: Mutex<Vec<Vec<Option<Vec<u64>>>>>,
+        arrived: Condvar,
+        limit: Duration,
+    }
+
+    impl Exchange {
+        fn new(world: usize, limit: Duration) -> Arc<Exchange> {
+            Arc::new(Exchange {
+                world,
+                rounds: Mutex::new(Vec::new()),
+                arrived: Condvar::new(),
+                limit,
+            })
+        }
+
+        fn gather(&self, rank: usize, round: usize, words: &[u64]) -> Result<Vec<u64>> {
+            let mut rounds = self.rounds.lock().unwrap();
+            while rounds.len() <= round {
+                rounds.push(vec![None; self.world]);
+            }
+            rounds[round][rank] = Some(words.to_vec());
+            self.arrived.notify_all();
+            let until = Instant::now() + self.limit;
+            while rounds[round].iter().any(Option::is_none) {
+                let left = until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(setup_error(format!(
+                        "the test's all-gather round {round} timed out"
+                    )));
+                }
+                rounds = self.arrived.wait_timeout(rounds, left).unwrap().0;
+            }
+            Ok(rounds[round].iter().flat_map(|w| w.clone().unwrap()).collect())
+        }
+    }
+
+    fn env(dir: &Path, forced: bool) -> Env {
+        Env {
+            dir: dir.to_path_buf(),
+            forced,
+            addr: Ok((Ipv4Addr::LOCALHOST, 0).into()),
+            secret: None,
+        }
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("handoff-setup-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// Rank `rank` of two, settled with `dir` for its mailbox; `first_round` runs when the
+    /// cards are all in, before the rank goes on.
+    fn rank(
+        x: &Arc<Exchange>,
+        rank: usize,
+        dir: PathBuf,
+        forced: bool,
+        timeout: Duration,
+        first_round: impl FnOnce(&[u64]) + Send + 'static,
+    ) -> std::thread::JoinHandle<Result<Option<Settled>>> {
+        let x = x.clone();
+        std::thread::spawn(move || {
+            let mut round = 0;
+            let mut first_round = Some(first_round);
+            let mut gather = |w: &[u64]| {
+                let all = x.gather(rank, round, w);
+                if let (Ok(all), Some(f)) = (&all, first_round.take()) {
+                    f(all);
+                }
+                round += 1;
+                all
+            };
+            settle_in(rank, 2, true, 7 + rank as u64, timeout, &mut gather, || {
+                Ok(env(&dir, forced))
+            })
+        })
+    }
+
+    fn files(dir: &Path) -> Vec<PathBuf> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect()
+    }
+
+    #[test]
+    fn a_card_that_cannot_be_encoded_fails_every_rank_saying_why_and_leaves_no_file() {
+        let short = scratch("short");
+        // A folder whose mailbox path is longer than a card holds.
+        let long = scratch(&"x".repeat(PATH_BYTES));
+        let x = Exchange::new(2, Duration::from_secs(3));
+        let r0 = rank(&x, 0, short.clone(), false, Duration::from_secs(5), |_| {});
+        let r1 = rank(&x, 1, long.clone(), false, Duration::from_secs(5), |_| {});
+        let (e0, e1) = (r0.join().unwrap().err(), r1.join().unwrap().err());
+        let said = |e: &Option<Error>| match e {
+            Some(Error::Setup { detail }) => detail.clone(),
+            other => panic!("not a setup error: {other:?}"),
+        };
+        let (e0, e1) = (said(&e0), said(&e1));
+        assert!(e1.contains("too long") && e1.contains("TMPDIR"), "rank 1: {e1}");
+        assert!(
+            e0.contains("rank 1 could not set up verification") && e0.contains("TMPDIR"),
+            "rank 0: {e0}"
+        );
+        assert_eq!(
+            files(&long),
+            Vec::<PathBuf>::new(),
+            "rank 1's mailbox file was left"
+        );
+        assert_eq!(
+            files(&short),
+            Vec::<PathBuf>::new(),
+            "rank 0's mailbox file was left"
+        );
+        let _ = std::fs::remove_dir_all(short);
+        let _ = std::fs::remove_dir_all(long);
+    }
+
+    #[test]
+    fn silent_connections_do_not_keep_a_rank_out() {
+        let dir = scratch("silent");
+        let timeout = Duration::from_secs(8);
+        let x = Exchange::new(2, timeout + Duration::from_secs(2));
+        let silent: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let r0 = rank(&x, 0, dir.clone(), true, timeout, |_| {});
+        let held = silent.clone();
+        // Before rank 1 connects, 40 connections to rank 0's listener that never say a word:
+        // more than its handshake slots.
+        let r1 = rank(&x, 1, dir.clone(), true, timeout, move |all| {
+            let card = Card::decode(&all[..CARD_WORDS]).unwrap();
+            let addr = card.addr.expect("rank 0 listens");
+            let mut held = held.lock().unwrap();
+            for _ in 0..40 {
+                held.push(TcpStream::connect(addr).unwrap());
+            }
+        });
+        let t = Instant::now();
+        let (s0, s1) = (r0.join().unwrap(), r1.join().unwrap());
+        let took = t.elapsed();
+        let s0 = s0.unwrap().expect("verified");
+        let s1 = s1.unwrap().expect("verified");
+        assert_eq!((s0.remote, s1.remote), (vec![1], vec![0]));
+        assert!(
+            took < timeout,
+            "setup took {took:?}: the silent connections held rank 0's listener"
+        );
+        eprintln!(
+            "setup: 40 silent connections delayed rank 1 by {took:?}; rank 0 refused {}",
+            s0.refused
+        );
+        drop(silent);
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
