@@ -135,9 +135,11 @@
 //!   write its peers read, so the checks, errors and bounds are the same. A connection proves by
 //!   HMAC-SHA256 challenge-response (fresh nonces both ways) that it knows both ranks' random
 //!   channel tokens, which travel only in the creation-time all-gather, and the job's secret
-//!   when `HANDOFF_SECRET` or `HANDOFF_SECRET_FILE` is set; neither crosses the wire. Every frame
-//!   carries an HMAC with a sequence number: a forged, replayed or malformed one ends the
-//!   connection, and the peer reads as broken. Tests: the channel's CPU tests over loopback
+//!   when `HANDOFF_SECRET` or `HANDOFF_SECRET_FILE` is set; neither crosses the wire. Frames
+//!   travel in records, each with an HMAC-SHA256 tag over a sequence number and its contents: a
+//!   forged, replayed, reordered or malformed record ends the connection, nothing of it is
+//!   applied, and the peer reads as broken. A verification waiting on a remote peer reads that
+//!   peer's socket itself and sends what it published and checked as one record. Tests: the channel's CPU tests over loopback
 //!   (hostile frames, a full socket, refused handshakes, a trickling client) and
 //!   `tests/hosts.rs` (two processes in two network and mount namespaces: a mismatch on both
 //!   ranks, a killed and a stopped peer bounded, rogue connections and wrong secrets refused).
@@ -227,8 +229,11 @@
 //!   [`host::release_cached`].
 //! - The verification channel's entries are not encrypted (an observer on the network reads
 //!   counts, types and order), and without a secret anyone who can read the creation-time
-//!   all-gather's traffic learns the channel tokens. More than 32 simultaneous handshakes deny
-//!   setup until the timeout.
+//!   all-gather's traffic learns the channel tokens. A connection to a rank's channel listener
+//!   that says nothing holds one of its 32 handshake slots for at most 2 s (others wait in the
+//!   backlog): a flood of connections can delay setup, up to the timeout. While a rank
+//!   verifies with a remote peer, that peer's heartbeats may reach the watchdog up to about
+//!   40 ms late (its freshness bound is 1 s).
 //! - [`Communicator::register`] and [`Communicator::register_window`] are `unsafe`:
 //!   verification does not yet compare whether each side of a transfer is registered (NCCL's
 //!   registered send/receive path needs both or neither), nor which window and offset each
