@@ -102,7 +102,10 @@ impl<T: Pod> DeviceBuffer<T> {
         let mut buf = DeviceBuffer {
             ptr: std::ptr::NonNull::<T>::dangling().as_ptr(),
             len: 0,
-            tracked: Tracked::new(&device),
+            tracked: match alloc {
+                Alloc::Pool => Tracked::new(&device),
+                Alloc::Nccl => Tracked::new_nccl(&device),
+            },
             device,
             alloc,
             registrations: Registrations::default(),

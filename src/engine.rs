@@ -47,6 +47,9 @@ pub(crate) struct TrackedInner {
     /// Pinned host memory (a [`crate::HostBuffer`]), which the host reads and writes outside
     /// stream order: never captured into a graph.
     host: bool,
+    /// Memory from `ncclMemAlloc`, which NCCL registers by itself for a graph's transfers (see
+    /// `verify::wire::NCCL_MEMORY`).
+    pub(crate) nccl_memory: bool,
     uses: Mutex<UseTracker<Arc<PooledEvent>>>,
 }
 
@@ -59,18 +62,24 @@ impl std::ops::Deref for Tracked {
 
 impl Tracked {
     pub(crate) fn new(device: &Device) -> Tracked {
-        Self::with(device, false)
+        Self::with(device, false, false)
     }
 
     /// The tracker of pinned host memory.
     pub(crate) fn new_host(device: &Device) -> Tracked {
-        Self::with(device, true)
+        Self::with(device, true, false)
     }
 
-    fn with(device: &Device, host: bool) -> Tracked {
+    /// The tracker of memory from `ncclMemAlloc`.
+    pub(crate) fn new_nccl(device: &Device) -> Tracked {
+        Self::with(device, false, true)
+    }
+
+    fn with(device: &Device, host: bool, nccl_memory: bool) -> Tracked {
         Tracked(Arc::new(TrackedInner {
             device: device.clone(),
             host,
+            nccl_memory,
             uses: Mutex::new(UseTracker::new()),
         }))
     }

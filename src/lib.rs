@@ -114,7 +114,10 @@
 //!   compared is what NCCL pairs: NCCL runs all_to_all, gather and scatter as sends and
 //!   receives in the same per-peer queues as `ncclSend`/`ncclRecv`, so their per-peer parts are
 //!   compared with the sends and receives around them, in the order a group posts its calls
-//!   (the order they were made in); the model, with the NCCL source it follows, is written down
+//!   (the order they were made in), and for operations captured into a graph whether their
+//!   memory is from `ncclMemAlloc` (NCCL registers such memory for a graph's transfers by
+//!   itself, and a transfer registered on one side only moves in other steps than its peer's);
+//!   the model, with the NCCL source it follows, is written down
 //!   in `src/nccl/verify/model.rs`, and a CPU test checks verification against a model of
 //!   NCCL's queues over every two-rank program of up to two calls per rank. Ranks
 //!   settle at creation that all verify or none does, so a verifying rank never talks to one

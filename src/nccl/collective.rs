@@ -146,6 +146,13 @@ impl<'a> Group<'a> {
             stream.check_tracked(s.tracked(), Access::Read)?;
         }
         stream.check_tracked(recv.tracked(), Access::Write)?;
+        // In place, the input is the output's memory.
+        let input = send.as_ref().map_or(recv.tracked(), |s| s.tracked());
+        let nccl_memory = if comm.in_graph {
+            u8::from(input.nccl_memory) | u8::from(recv.tracked().nccl_memory) << 1
+        } else {
+            0
+        };
         self.push_coll(CollOp {
             comm,
             stream,
@@ -156,6 +163,7 @@ impl<'a> Group<'a> {
                 redop: op.map_or(NONE, ReduceOp::code),
                 root: root.map_or(NONE, |r| r as u32),
                 captured: comm.in_graph,
+                nccl_memory,
             },
             dtype: T::DATATYPE,
             send: send.map(|s| (s.tracked(), s.as_raw_ptr().cast())),

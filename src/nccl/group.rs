@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, Cut, State, usable};
 use crate::nccl::types::NcclType;
 use crate::nccl::verify::model::{self, Call};
-use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, OpDesc, P2P};
+use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, P2P};
 use crate::nccl::verify::{self, CollOps, Failure, PairOps};
 use crate::result::nccl as nc;
 use crate::stream::Stream;
@@ -116,6 +116,15 @@ impl Op<'_> {
                 count: self.count as u64,
                 dtype: self.dtype.0,
                 captured: self.comm.in_graph,
+                // NCCL never registers a send to oneself (`!selfSend`).
+                nccl_memory: if self.comm.in_graph
+                    && self.tracked.nccl_memory
+                    && self.peer != self.comm.rank()
+                {
+                    NCCL_MEMORY
+                } else {
+                    0
+                },
                 part: P2P,
             },
         }

@@ -141,6 +141,7 @@ fn with<'a>(
         count,
         dtype: 7,
         captured: false,
+        nccl_memory: 0,
         part: P2P,
     };
     PairOps {
@@ -185,6 +186,7 @@ fn operations_and_collectives_are_checked_through_mirrors_and_a_mismatch_fails_b
             redop: NONE,
             root: NONE,
             captured: false,
+            nccl_memory: 0,
         };
         let colls: Vec<CollDesc> = (1..=100).map(coll).collect();
         let c2 = colls.clone();
@@ -233,6 +235,7 @@ fn four_ranks_agree_on_collectives_and_a_ring_of_sends_and_all_refuse_a_differen
         redop: 0,
         root: NONE,
         captured: false,
+        nccl_memory: 0,
     };
     let n = 4;
     let run = |ranks: Vec<Mailboxes>, last: Vec<u64>| {
@@ -349,6 +352,7 @@ fn forged_replayed_or_unknown_frames_end_the_connection() {
             count,
             dtype: 7,
             captured: false,
+            nccl_memory: 0,
             part: P2P,
         }
         .encode();
@@ -437,6 +441,7 @@ fn a_record_is_applied_whole_or_not_at_all() {
             count: 4,
             dtype: 7,
             captured: false,
+            nccl_memory: 0,
             part: P2P,
         }
         .encode();
@@ -494,6 +499,7 @@ fn a_replayed_frame_is_refused_while_the_connection_stays_open() {
             count: 4,
             dtype: 7,
             captured: false,
+            nccl_memory: 0,
             part: P2P,
         }
         .encode();

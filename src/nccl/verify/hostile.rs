@@ -309,6 +309,7 @@ fn a_peer_that_rewrites_what_it_published_is_read_as_it_now_is() {
                         count,
                         dtype,
                         captured: false,
+                        nccl_memory: 0,
                         part: P2P,
                     };
                     owner.publish(peer, dir(send), index, op);
@@ -379,6 +380,7 @@ fn a_peer_rewriting_entries_while_they_are_read_yields_only_what_it_wrote() {
                     count: counts[(r >> 8) as usize % 3],
                     dtype: dtypes[(r >> 16) as usize % 2],
                     captured: (r >> 24) & 1 == 1,
+                    nccl_memory: 0,
                     part: (r >> 25) as u8 % 10,
                 };
                 let [c, d] = op.encode();
@@ -423,6 +425,7 @@ fn op(count: u64) -> OpDesc {
         count,
         dtype: 7,
         captured: false,
+        nccl_memory: 0,
         part: P2P,
     }
 }
@@ -463,6 +466,7 @@ fn verification_against_a_hostile_peer_ends_within_its_timeout() {
                 redop: 0,
                 root: NONE,
                 captured: false,
+                nccl_memory: 0,
             };
             if honest {
                 // The counterparts, as far as a ring holds them, and counters as if it checked

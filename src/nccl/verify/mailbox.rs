@@ -742,6 +742,7 @@ mod tests {
             count,
             dtype: 7,
             captured: false,
+            nccl_memory: 0,
         }
     }
 
@@ -784,6 +785,7 @@ mod tests {
             redop: NONE,
             root: NONE,
             captured: false,
+            nccl_memory: 0,
         };
         assert_eq!(r.read_coll(0), None);
         r.publish_coll(0, d);

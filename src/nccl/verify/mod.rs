@@ -475,6 +475,7 @@ mod tests {
             count,
             dtype: F32,
             captured: false,
+            nccl_memory: 0,
         }
     }
 
@@ -507,6 +508,7 @@ mod tests {
             redop: 0,
             root: NONE,
             captured: false,
+            nccl_memory: 0,
         };
         let bcast = CollDesc {
             kind: CollKind::Broadcast,
@@ -515,6 +517,7 @@ mod tests {
             redop: NONE,
             root: 2,
             captured: false,
+            nccl_memory: 0,
         };
         // Mailboxes are not Sync (their counters are per communicator, used by its one
         // thread): each rank's moves to its thread, and the three agree.
@@ -567,6 +570,7 @@ mod tests {
                 redop: NONE,
                 root: NONE,
                 captured: false,
+                nccl_memory: 0,
             })
             .collect();
         let [a, b] = two();
@@ -591,6 +595,7 @@ mod tests {
             redop: 0,
             root: NONE,
             captured: false,
+            nccl_memory: 0,
         };
         let w = world(2);
         let mut c = coll(&w[0], &[d]);

@@ -34,7 +34,7 @@
 //! made only by the `unsafe` [`crate::Communicator::register_window`], whose contract covers
 //! how every rank passes them; this model is that of every other collective.
 
-use super::wire::{CollDesc, CollKind, Dir, OpDesc};
+use super::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc};
 
 /// One call of a group, as [`expand`] reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,7 +53,7 @@ pub(crate) fn expand(call: Call, rank: usize, world: usize) -> impl Iterator<Ite
         Call::P2p { peer, dir, desc } => (Some((peer, dir, desc)), None),
         Call::Coll(c) => (None, Some(c).filter(|c| c.count > 0 && world > 1)),
     };
-    let (kind, root, desc) = match coll {
+    let (kind, root, desc, memory) = match coll {
         Some(c) => (
             Some(c.kind),
             c.root as usize,
@@ -61,10 +61,12 @@ pub(crate) fn expand(call: Call, rank: usize, world: usize) -> impl Iterator<Ite
                 count: c.count,
                 dtype: c.dtype,
                 captured: c.captured,
+                nccl_memory: 0,
                 part: c.kind as u8,
             },
+            c.nccl_memory,
         ),
-        None => (None, 0, OpDesc::default()),
+        None => (None, 0, OpDesc::default(), 0),
     };
     // How many parts the root has beyond the others'.
     let at_root = if rank == root { world } else { 0 };
@@ -81,7 +83,11 @@ pub(crate) fn expand(call: Call, rank: usize, world: usize) -> impl Iterator<Ite
             _ if i < at_root => (i, Dir::Send),
             _ => (root, Dir::Recv),
         };
-        (peer, dir, desc)
+        // A send part moves the input's memory, a receive part the output's; NCCL never
+        // registers a part with oneself (`!selfSend`).
+        let bit = if dir == Dir::Send { 1 } else { 2 };
+        let nccl_memory = u8::from(memory & bit != 0 && peer != rank) * NCCL_MEMORY;
+        (peer, dir, OpDesc { nccl_memory, ..desc })
     };
     p2p.into_iter().chain((0..parts).map(part))
 }
@@ -101,6 +107,7 @@ mod tests {
             redop: NONE,
             root,
             captured: false,
+            nccl_memory: 0,
         }
     }
 
@@ -126,6 +133,20 @@ mod tests {
         assert!(peers(Call::Coll(coll(CollKind::AllReduce, 3, NONE)), 0, 2).is_empty());
         assert!(peers(Call::Coll(coll(CollKind::Gather, 0, 0)), 0, 2).is_empty());
         assert!(peers(Call::Coll(coll(CollKind::AllToAll, 4, NONE)), 0, 1).is_empty());
+        // A captured collective's parts carry the kind of memory they move: the input's for
+        // sends, the output's for receives, never for a part with oneself.
+        let captured = CollDesc {
+            captured: true,
+            nccl_memory: 2,
+            ..coll(CollKind::AllToAll, 3, NONE)
+        };
+        let bits: Vec<(usize, Dir, u8)> = expand(Call::Coll(captured), 0, 2)
+            .map(|(p, d, o)| (p, d, o.nccl_memory))
+            .collect();
+        assert_eq!(
+            bits,
+            [(0, Send, 0), (0, Recv, 0), (1, Send, 0), (1, Recv, NCCL_MEMORY)]
+        );
         let p = Call::P2p {
             peer: 1,
             dir: Recv,
@@ -133,6 +154,7 @@ mod tests {
                 count: 2,
                 dtype: F32,
                 captured: false,
+                nccl_memory: 0,
                 part: P2P,
             },
         };
@@ -252,6 +274,7 @@ mod oracle {
                 count,
                 dtype: F32,
                 captured: false,
+                nccl_memory: 0,
                 part: P2P,
             },
         };
@@ -263,6 +286,7 @@ mod oracle {
                 redop: NONE,
                 root: root as u32,
                 captured: false,
+                nccl_memory: 0,
             })
         };
         program

@@ -79,6 +79,7 @@ impl Rank {
             count,
             dtype: F32,
             captured: false,
+            nccl_memory: 0,
             part: P2P,
         };
         let pair = PairOps {
@@ -108,6 +109,7 @@ impl Rank {
                     redop: 0,
                     root: NONE,
                     captured: false,
+                    nccl_memory: 0,
                 })
                 .collect(),
             local: false,

@@ -16,6 +16,8 @@ pub(crate) struct OpDesc {
     /// Captured into a graph: NCCL requires an operation to be captured on every rank of the
     /// transfer or on none.
     pub(crate) captured: bool,
+    /// 1 when captured and in memory from `ncclMemAlloc`, else 0 (see [`NCCL_MEMORY`]).
+    pub(crate) nccl_memory: u8,
     /// The [`CollKind`] code of the collective this is a per-peer part of, or [`P2P`] for a
     /// send or receive the user posted: a part paired with another kind of operation would
     /// deliver into the wrong buffer even when the sizes agree. Raw, so that a peer's unknown
@@ -26,12 +28,26 @@ pub(crate) struct OpDesc {
 /// [`OpDesc::part`] of a user's own send or receive.
 pub(crate) const P2P: u8 = 0;
 
+/// Why memory's kind is compared for captured operations: NCCL 2.28.3 registers a captured
+/// transfer's buffer itself (`ncclRegisterP2pIpcBuffer`: `comm->planner.persistent &&
+/// ncclParamGraphRegister()`, src/register/sendrecv_reg.cc), which succeeds for `ncclMemAlloc`
+/// memory (CUDA virtual memory) and not for the stream-ordered pool's, and then moves the
+/// transfer in other steps on the registered side ("We require users registering buffers on
+/// both sides", src/enqueue.cc): a captured send from one kind into a receive of the other
+/// would make the connection's step counts drift. The bit of a send or receive
+/// ([`OpDesc::nccl_memory`]); of a collective's input (bit 0) and output (bit 1)
+/// ([`CollDesc::nccl_memory`]).
+pub(crate) const NCCL_MEMORY: u8 = 1;
+
 impl OpDesc {
     /// The two words of a ring entry after its tag.
     pub(crate) fn encode(self) -> [u64; 2] {
         [
             self.count,
-            u64::from(self.dtype) | u64::from(self.captured) << 32 | u64::from(self.part) << 40,
+            u64::from(self.dtype)
+                | u64::from(self.captured) << 32
+                | u64::from(self.nccl_memory & 1) << 33
+                | u64::from(self.part) << 40,
         ]
     }
 
@@ -40,6 +56,7 @@ impl OpDesc {
             count: w[0],
             dtype: w[1] as u32,
             captured: (w[1] >> 32) & 1 == 1,
+            nccl_memory: ((w[1] >> 33) & 1) as u8,
             part: (w[1] >> 40) as u8,
         }
     }
@@ -53,10 +70,15 @@ impl OpDesc {
             },
         };
         format!(
-            "{} elements of {}{part}{}",
+            "{} elements of {}{part}{}{}",
             self.count,
             datatype_name(self.dtype),
-            captured_note(self.captured)
+            captured_note(self.captured),
+            if self.nccl_memory != 0 {
+                ", in ncclMemAlloc memory"
+            } else {
+                ""
+            }
         )
     }
 }
@@ -170,6 +192,9 @@ pub(crate) struct CollDesc {
     pub(crate) root: u32,
     /// Captured into a graph: NCCL requires a collective to be captured on every rank or none.
     pub(crate) captured: bool,
+    /// When captured, whether its input (bit 0) and output (bit 1) are `ncclMemAlloc` memory
+    /// (see [`NCCL_MEMORY`]); 0 when eager.
+    pub(crate) nccl_memory: u8,
 }
 
 impl CollDesc {
@@ -181,7 +206,7 @@ impl CollDesc {
                 | u64::from(self.captured) << 7
                 | (u64::from(self.dtype) << 8)
                 | (u64::from(self.redop) << 32),
-            u64::from(self.root),
+            u64::from(self.root) | u64::from(self.nccl_memory & 3) << 32,
         ]
     }
 
@@ -190,6 +215,7 @@ impl CollDesc {
         Some(CollDesc {
             kind: CollKind::from_code(w[1] & 0x7f)?,
             captured: (w[1] >> 7) & 1 == 1,
+            nccl_memory: ((w[2] >> 32) & 3) as u8,
             count: w[0],
             dtype: ((w[1] >> 8) & 0xff_ffff) as u32,
             redop: (w[1] >> 32) as u32,
@@ -209,6 +235,11 @@ impl CollDesc {
         }
         if self.root != NONE {
             s += &format!(", root {}", self.root);
+        }
+        for (bit, what) in [(1, "input"), (2, "output")] {
+            if self.nccl_memory & bit != 0 {
+                s += &format!(", {what} in ncclMemAlloc memory");
+            }
         }
         s + captured_note(self.captured)
     }
@@ -251,7 +282,7 @@ pub(crate) fn compare_coll(
 
 // "HDOFFCD4": cards name the rank's host and its verification channel (see
 // [`super::channel`]), so ranks of another version must not be paired with these.
-const CARD_MAGIC: u64 = 0x4844_4f46_4643_4435; // "HDOFFCD5"
+const CARD_MAGIC: u64 = 0x4844_4f46_4643_4436; // "HDOFFCD6"
 /// Words in an encoded card.
 pub(crate) const CARD_WORDS: usize = 40;
 const PATH_AT: usize = 8;
@@ -512,6 +543,7 @@ mod tests {
             count,
             dtype,
             captured: false,
+            nccl_memory: 0,
             part: P2P,
         }
     }
@@ -527,6 +559,35 @@ mod tests {
             ..c
         };
         assert_eq!(OpDesc::decode(g.encode()), g);
+    }
+
+    #[test]
+    fn captured_transfers_between_kinds_of_memory_are_a_mismatch() {
+        let pool = OpDesc {
+            captured: true,
+            ..op(4, F32)
+        };
+        let vmm = OpDesc {
+            nccl_memory: NCCL_MEMORY,
+            ..pool
+        };
+        assert_eq!(OpDesc::decode(vmm.encode()), vmm);
+        let e = compare(0, 1, Dir::Send, 0, vmm, pool).unwrap_err();
+        assert!(e.contains("in ncclMemAlloc memory, but"), "{e}");
+        let c = CollDesc {
+            kind: CollKind::Gather,
+            count: 4,
+            dtype: F32,
+            redop: NONE,
+            root: 1,
+            captured: true,
+            nccl_memory: 3,
+        };
+        assert_eq!(CollDesc::decode(c.encode()), Some(c));
+        assert!(
+            c.describe()
+                .contains("input in ncclMemAlloc memory, output in ncclMemAlloc memory")
+        );
     }
 
     #[test]
@@ -552,6 +613,7 @@ mod tests {
     fn an_op_captured_on_one_rank_only_is_a_mismatch() {
         let c = OpDesc {
             captured: true,
+            nccl_memory: 0,
             ..op(4, F32)
         };
         let e = compare(0, 1, Dir::Send, 0, c, op(4, F32)).unwrap_err();
@@ -599,6 +661,7 @@ mod tests {
             redop: 2,
             root: 1,
             captured: false,
+            nccl_memory: 0,
         };
         assert_eq!(CollDesc::decode(d.encode()), Some(d));
         assert_eq!(CollDesc::decode([0, 0, 0]), None);
@@ -608,6 +671,7 @@ mod tests {
                 kind: CollKind::AllReduce,
                 root: NONE,
                 captured: false,
+                nccl_memory: 0,
                 ..d
             },
             CollDesc { count: 1000, ..d },
