@@ -63,8 +63,9 @@ impl Secret {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Secret> {
         let path = path.as_ref();
         let bad = |why: String| Error::InvalidArgument(format!("{SECRET_FILE_VAR}={path:?}: {why}"));
-        // Checked before opening, so that a FIFO or a device is never opened (opening a FIFO
-        // blocks), and again on the open file, which is what is read.
+        // Checked before opening, so that a FIFO or a device is normally never opened, and again
+        // on the open file, which is what is read; opened without blocking, so that one swapped
+        // in between cannot hold the open (links are followed: secrets are often mounted so).
         let check = |meta: std::fs::Metadata| -> Result<()> {
             if !meta.is_file() {
                 return Err(bad("not a regular file".into()));
@@ -81,7 +82,15 @@ impl Secret {
             Ok(())
         };
         check(std::fs::metadata(path).map_err(|e| bad(format!("cannot read it: {e}")))?)?;
-        let file = std::fs::File::open(path).map_err(|e| bad(format!("cannot open it: {e}")))?;
+        let file = {
+            use crate::sys::posix::{O_NOCTTY, O_NONBLOCK};
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(O_NONBLOCK | O_NOCTTY)
+                .open(path)
+                .map_err(|e| bad(format!("cannot open it: {e}")))?
+        };
         check(file.metadata().map_err(|e| bad(format!("cannot read it: {e}")))?)?;
         let mut bytes = Vec::new();
         file.take(Self::MAX_LEN as u64 + 1)

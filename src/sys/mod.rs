@@ -28,3 +28,4 @@ pub(crate) mod ptx {
 }
 
 pub mod loader;
+pub(crate) mod posix;

@@ -61,36 +61,7 @@ pub(crate) const BROKEN: u64 = 1;
 /// The mode of a mailbox file: its owner reads and writes it, nobody else opens it.
 const OWNER_ONLY: u32 = 0o600;
 
-// Linux's open(2) flags and errno values (libc is not a dependency): the generic values, which
-// Arm and PowerPC change for O_NOFOLLOW. The symlink and FIFO tests show the flags take effect.
-/// Fail with ELOOP rather than follow a symbolic link in the last component.
-#[cfg(any(
-    target_arch = "aarch64",
-    target_arch = "arm",
-    target_arch = "powerpc",
-    target_arch = "powerpc64"
-))]
-const O_NOFOLLOW: i32 = 0o100_000;
-#[cfg(any(
-    target_arch = "x86_64",
-    target_arch = "x86",
-    target_arch = "riscv64",
-    target_arch = "loongarch64",
-    target_arch = "s390x"
-))]
-const O_NOFOLLOW: i32 = 0o400_000;
-/// Return at once from opening a FIFO with no writer, instead of waiting for one.
-const O_NONBLOCK: i32 = 0o4_000;
-/// Opening a terminal does not make it the controlling one.
-const O_NOCTTY: i32 = 0o400;
-/// What open(2) returns for a symbolic link under O_NOFOLLOW.
-const ELOOP: i32 = 40;
-
-unsafe extern "C" {
-    /// POSIX `geteuid`: the effective user id. No arguments, no preconditions, never fails
-    /// (`uid_t` is 32 bits on Linux), so it is declared safe to call.
-    safe fn geteuid() -> u32;
-}
+use crate::sys::posix::{ELOOP, O_NOCTTY, O_NOFOLLOW, O_NONBLOCK, geteuid};
 
 /// Why a mailbox file could not be made or was refused. Each says what was wrong and what to do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
