@@ -62,7 +62,7 @@ use crate::error::{Error, Result};
 use crate::nccl::{CommOptions, Communicator, UniqueId};
 
 mod client;
-mod secret;
+pub(crate) mod secret;
 mod server;
 mod wire;
 

@@ -250,11 +250,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// CUDA errors.
     pub fn synchronize(&self) -> Result<()> {
         let events: Vec<_> = self.tracked.lock().uses().map(|u| u.event.clone()).collect();
-        for e in events {
-            // SAFETY: the event is kept alive by the Arc.
-            unsafe { cu::event_synchronize(e.raw) }?;
-        }
-        Ok(())
+        crate::device::wait_all(&events)
     }
 
     pub(crate) fn tracked(&self) -> &Tracked {

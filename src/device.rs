@@ -104,6 +104,18 @@ pub(crate) trait Origin: Send + Sync {
     fn failure(&self) -> Option<String>;
 }
 
+/// Blocks the host until the work before every event in `events` has completed.
+///
+/// # Errors
+/// CUDA errors (the first one).
+pub(crate) fn wait_all<'e>(events: impl IntoIterator<Item = &'e Arc<PooledEvent>>) -> Result<()> {
+    for e in events {
+        // SAFETY: the event is kept alive by the Arc.
+        unsafe { crate::result::event_synchronize(e.raw) }?;
+    }
+    Ok(())
+}
+
 impl PooledEvent {
     /// Marks the work before this event as cut short, for `reason`.
     pub(crate) fn poison(&self, reason: &str) {

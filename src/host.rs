@@ -52,7 +52,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use bytemuck::Pod;
 
 use crate::buffer::{DeviceBuffer, byte_len};
-use crate::device::{Device, PooledEvent};
+use crate::device::{Device, PooledEvent, wait_all};
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::result as cu;
@@ -117,15 +117,6 @@ impl<T: Pod> std::fmt::Debug for HostBuffer<T> {
 fn host() -> StreamId {
     static HOST: OnceLock<StreamId> = OnceLock::new();
     *HOST.get_or_init(StreamId::fresh)
-}
-
-/// Blocks the host until every event in `events` has completed.
-fn wait_all(events: &[Arc<PooledEvent>]) -> Result<()> {
-    for e in events {
-        // SAFETY: the event is kept alive by the Arc.
-        unsafe { cu::event_synchronize(e.raw) }?;
-    }
-    Ok(())
 }
 
 impl<T: Pod> HostBuffer<T> {

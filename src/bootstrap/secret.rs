@@ -164,7 +164,7 @@ impl PartialEq for Secret {
 impl Eq for Secret {}
 
 /// Fills `buf` from the kernel's random source.
-pub(super) fn random(buf: &mut [u8]) -> std::io::Result<()> {
+pub(crate) fn random(buf: &mut [u8]) -> std::io::Result<()> {
     std::fs::File::open("/dev/urandom")?.read_exact(buf)
 }
 

@@ -147,11 +147,9 @@ pub(crate) unsafe fn free_after(ptr: *mut std::ffi::c_void, pending: Vec<Arc<Poo
             r.wake.notify_one();
         }
         None => {
-            for e in &pending {
-                // SAFETY: the event is alive. On an error the memory leaks instead.
-                if unsafe { cu::event_synchronize(e.raw) }.is_err() {
-                    return;
-                }
+            // On an error the memory leaks instead.
+            if crate::device::wait_all(&pending).is_err() {
+                return;
             }
             // SAFETY: the caller's guarantees, and every pending use has completed.
             let _ = unsafe { nc::mem_free(ptr) };
@@ -167,10 +165,7 @@ pub(crate) unsafe fn free_after(ptr: *mut std::ffi::c_void, pending: Vec<Arc<Poo
 /// # Safety
 /// As [`free_after`].
 pub(crate) unsafe fn free_now(ptr: *mut std::ffi::c_void, pending: &[Arc<PooledEvent>]) -> Result<()> {
-    for e in pending {
-        // SAFETY: the event is alive.
-        unsafe { cu::event_synchronize(e.raw) }?;
-    }
+    crate::device::wait_all(pending)?;
     // SAFETY: the caller's guarantees, and every pending use has completed.
     unsafe { nc::mem_free(ptr) }
 }

@@ -200,7 +200,8 @@ fn abort_unwatchable(shared: &Shared) {
     }
 }
 
-fn now_ms() -> u64 {
+/// Milliseconds of the wall clock: what heartbeats are stamped with.
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)

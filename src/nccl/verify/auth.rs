@@ -58,9 +58,7 @@ pub(crate) fn job_secret() -> Result<Option<Vec<u8>>, String> {
 /// `/dev/urandom` cannot be read.
 pub(crate) fn random<const N: usize>() -> Result<[u8; N], String> {
     let mut b = [0u8; N];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .map_err(|e| format!("reading /dev/urandom: {e}"))?;
+    crate::bootstrap::secret::random(&mut b).map_err(|e| format!("reading /dev/urandom: {e}"))?;
     Ok(b)
 }
 

@@ -40,7 +40,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use hmac::Mac;
 
@@ -154,12 +154,7 @@ impl Note {
     }
 }
 
-/// Wall-clock milliseconds, as the watchdog's heartbeats count them.
-pub(super) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+pub(super) use crate::nccl::watchdog::now_ms;
 
 /// The tag of record `seq`, whose count and frames are `body`.
 fn tag(key: &HmacSha256, seq: u64, body: &[u8]) -> [u8; 32] {
