@@ -510,7 +510,7 @@ pub(crate) enum Work<'k> {
 /// stays tracked.
 ///
 /// On a stream that handoff is capturing into a graph (every stream of the operation must then
-/// be that one), the work is captured instead: see [`CaptureState`]; `recorded` is not called.
+/// be in that capture), the work is captured instead: see [`CaptureState`]; `recorded` is not called.
 /// On a stream that someone else is capturing, nothing is queued: [`Error::Capture`]. A use of
 /// memory that has been freed (reachable only through a graph that outlived a buffer) is
 /// refused.

@@ -67,8 +67,9 @@
 //! # Soundness
 //! No sequence of safe calls, on any thread, in any build, whatever another rank running
 //! handoff does, lets the GPU race on a buffer, write outside one, use one after it is freed, or
-//! leave the host waiting without bound (within the limits listed last). Each guarantee, why it holds, and the tests that show it (GPU tests are shown
-//! on an H200 to fail with tracking bypassed or the fix reverted; BENCHMARKS.md has the runs):
+//! leave the host waiting without bound (within the limits listed last). Each guarantee, why
+//! it holds, and the tests that show it (GPU tests are shown on an H200 to fail with tracking
+//! bypassed or the fix reverted; BENCHMARKS.md has the runs):
 //!
 //! - **Across streams.** Every use of a buffer (kernel, copy, send, receive) is a read or a
 //!   write; before it is queued its stream waits on the GPU for the conflicting earlier uses: a
@@ -82,8 +83,8 @@
 //!   lock, so the newest event on a stream is always the one stored: a later write waits for
 //!   every read. The engine takes stream locks in stream-id order and buffer locks in key
 //!   order, then a communicator's lock innermost. Tests: a CPU test that forces the
-//!   interleaving that lost an event before; `tests/threads.rs` (twelve threads reading on a
-//!   shared stream, then a write; it fails against the crate before the fix).
+//!   interleaving in which a reader's event would be lost without that lock; `tests/threads.rs`
+//!   (twelve threads reading on a shared stream, then a write).
 //! - **Host and drop.** Host copies wait for the last write and block until the copy's own
 //!   event has completed (a capture begun on the stream meanwhile cannot cut the wait short;
 //!   should CUDA report neither completion nor a sticky error for about a minute, the process
@@ -142,8 +143,9 @@
 //!   travel in records, each with an HMAC-SHA256 tag over a sequence number and its contents: a
 //!   forged, replayed, reordered or malformed record ends the connection, nothing of it is
 //!   applied, and the peer reads as broken. A verification waiting on a remote peer reads that
-//!   peer's socket itself and sends what it published and checked as one record. Tests: the channel's CPU tests over loopback
-//!   (hostile frames, a full socket, refused handshakes, a trickling client) and
+//!   peer's socket itself and sends what it published and checked as one record. Tests: the
+//!   channel's CPU tests over loopback (hostile frames, a full socket, refused handshakes, a
+//!   trickling client) and
 //!   `tests/hosts.rs` (two processes in two network and mount namespaces: a mismatch on both
 //!   ranks, a killed and a stopped peer bounded, rogue connections and wrong secrets refused).
 //! - **Registered memory.** Registrations and windows ([`Communicator::register`],
@@ -161,7 +163,7 @@
 //!   to start (when what its stream ran and waited for before it completed), or on NCCL's
 //!   error, so every host wait on a stream stuck behind NCCL returns; [`Stream::synchronize`]
 //!   and [`DeviceBuffer::to_vec`] then report the communicator's error, as they do for a
-//!   receive whose sender broke (NCCL was seen to complete such a receive at once, untouched).
+//!   receive whose sender broke (NCCL may complete such a receive at once, untouched).
 //!   A rank whose own earlier GPU work holds its side up says so in its mailbox with a
 //!   heartbeat, and its peers wait on, up to ten timeouts in all.
 //!   Ranks of one process driven by one thread must post together in a group: a lone send
@@ -227,9 +229,9 @@
 //!   another to NCCL), and no process of the same user, or root, writes or truncates a mapped
 //!   mailbox (truncation makes the next access fault); such processes can already ptrace the
 //!   ranks.
-//! - A [`HostBuffer`] that finds no cached block of its size class calls `cudaMallocHost`,
-//!   which CUDA lists as implicitly synchronising; the cache holds pinned memory until
-//!   [`host::release_cached`].
+//! - A [`HostBuffer`] that finds no cached block of its size class calls `cudaMallocHost` (for
+//!   eight blocks at once up to 4 MiB), which CUDA lists as implicitly synchronising; the cache
+//!   holds pinned memory until [`host::release_cached`].
 //! - The verification channel's entries are not encrypted (an observer on the network reads
 //!   counts, types and order), and without a secret anyone who can read the creation-time
 //!   all-gather's traffic learns the channel tokens. A connection to a rank's channel listener

@@ -748,8 +748,8 @@ fn watchdog_queries(stubs: &Stubs) -> Result<(), Failed> {
     // The watchdog queries no event per operation: per look (one every 20 ms at most) at most
     // the newest's event, the oldest's, and what the oldest waits behind while they are
     // "running", then the newest alone once it has completed: 3 per look, and a look to spare
-    // at each end. About 16 in two settles of 100 ms; queried oldest first, one per operation,
-    // it was 74.
+    // at each end: about 16 in two settles of 100 ms, where one query per operation would make
+    // about 74.
     let looks = t0.elapsed().as_millis() as u64 / 20 + 2;
     let at_most = 3 * looks;
     println!(

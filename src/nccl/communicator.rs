@@ -880,7 +880,6 @@ impl Communicator {
     }
 }
 
-/// The live handle, or why there is none.
 /// Makes `members`, every rank of one communicator, all in this process and made with one
 /// setting, the ranks one thread drives together (see [`Communicator::init_all`]); verified,
 /// their mailboxes are plain memory, indexed by rank.
@@ -898,6 +897,7 @@ pub(super) fn form_clique(members: Vec<&mut Communicator>) {
     }
 }
 
+/// The live handle, or why there is none.
 pub(crate) fn usable(state: &State) -> Result<ncclComm_t> {
     if let Some(reason) = watchdog::dead() {
         // Without the watchdog, nothing would bound a wait behind this communicator's work.

@@ -3,12 +3,17 @@
 //! matches a pair's sends and receives in that order and leaves a disagreement undefined: on
 //! the H200 it wrote past a shorter receive, delivered wrong data, or hung).
 //!
+//! What counts as a send or a receive, and in which order, is NCCL's own matching, written down
+//! in [`model`]: the per-peer parts of all_to_all, gather and scatter count too.
+//!
 //! Each rank publishes every operation it is about to post into its mailbox
 //! ([`mailbox::Region`]), then waits, on the host, until the peer's counterpart is there, and
-//! compares. Nothing waits for the GPU: a mailbox is shared memory, so a check costs a few
-//! memory accesses once the peer has posted, and the only wait is for the peer's host to get
-//! there, bounded by the communicator's timeout. A mismatch is [`Error::Mismatch`] on both
-//! ranks (each compares the same two entries) before either calls NCCL.
+//! compares. Nothing waits for the GPU: on one host a mailbox is shared memory, so a check
+//! costs a few memory accesses once the peer has posted; across hosts a rank reads a mirror of
+//! its peer's mailbox that the verification channel fills ([`channel`]), reading the peer's
+//! socket itself while it waits. The only wait is for the peer's host to get there, bounded by
+//! the communicator's timeout. A mismatch is [`Error::Mismatch`] on both ranks (each compares
+//! the same two entries) before either calls NCCL.
 //!
 //! A rank's own sends to itself, and operations between ranks made together by
 //! [`Communicator::init_all`](crate::Communicator::init_all) (driven by one thread), must have
