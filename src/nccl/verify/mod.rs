@@ -145,6 +145,12 @@ fn step_coll(c: &CollOps<'_>, d: &mut CollDone) -> Result<bool, Failure> {
     Ok(moved)
 }
 
+/// Every operation of the pair published and checked.
+fn pair_finished(p: &PairOps<'_>, d: &Done) -> bool {
+    let all = [p.sends.len(), p.recvs.len()];
+    d.published == all && d.checked == all
+}
+
 fn coll_finished(c: &CollOps<'_>, d: &CollDone) -> bool {
     let me = c.boxes.rank;
     d.published == c.ops.len()
@@ -296,8 +302,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
         let mut finished = true;
         for (p, d) in pairs.iter().zip(done.iter_mut()) {
             progressed |= step(p, d)?;
-            finished &=
-                d.published == [p.sends.len(), p.recvs.len()] && d.checked == [p.sends.len(), p.recvs.len()];
+            finished &= pair_finished(p, d);
         }
         for (c, d) in colls.iter().zip(coll_done.iter_mut()) {
             progressed |= step_coll(c, d)?;
@@ -335,7 +340,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
         // Stalled: waiting for a peer, or for a counterpart that will never come.
         let started = *started.get_or_insert_with(Instant::now);
         for (p, d) in pairs.iter().zip(&done) {
-            if d.checked == [p.sends.len(), p.recvs.len()] && d.published == d.checked {
+            if pair_finished(p, d) {
                 continue;
             }
             let what = pending(p, d);
