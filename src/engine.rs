@@ -50,6 +50,11 @@ pub(crate) struct TrackedInner {
     /// Memory from `ncclMemAlloc`, which NCCL registers by itself for a graph's transfers (see
     /// `verify::wire::NCCL_MEMORY`).
     pub(crate) nccl_memory: bool,
+    /// The communicators (their keys) this memory is registered with (`ncclCommRegister`),
+    /// which NCCL's send/receive path uses on one side only if the peer's memory is too (see
+    /// `verify::wire::REGISTERED`); how many, so that unregistered memory asks no lock.
+    registered_with: Mutex<Vec<usize>>,
+    registrations: std::sync::atomic::AtomicUsize,
     uses: Mutex<UseTracker<Arc<PooledEvent>>>,
 }
 
@@ -80,6 +85,8 @@ impl Tracked {
             device: device.clone(),
             host,
             nccl_memory,
+            registered_with: Mutex::new(Vec::new()),
+            registrations: std::sync::atomic::AtomicUsize::new(0),
             uses: Mutex::new(UseTracker::new()),
         }))
     }
@@ -97,6 +104,36 @@ impl Tracked {
 }
 
 impl TrackedInner {
+    /// Notes that the memory is now registered with the communicator of key `comm`.
+    pub(crate) fn note_registered(&self, comm: usize) {
+        self.registered_with
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(comm);
+        self.registrations
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Notes that one registration with the communicator of key `comm` has ended.
+    pub(crate) fn note_deregistered(&self, comm: usize) {
+        let mut with = self.registered_with.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = with.iter().position(|&c| c == comm) {
+            with.swap_remove(i);
+            self.registrations
+                .fetch_sub(1, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// Whether the memory is registered with the communicator of key `comm`.
+    pub(crate) fn is_registered_with(&self, comm: usize) -> bool {
+        self.registrations.load(std::sync::atomic::Ordering::Acquire) > 0
+            && self
+                .registered_with
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&comm)
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, UseTracker<Arc<PooledEvent>>> {
         // A panic while holding the lock cannot leave the tracker half-updated in a way that
         // loses a use (each method updates it in one step), so a poisoned lock is still usable.

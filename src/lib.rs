@@ -115,9 +115,11 @@
 //!   compared is what NCCL pairs: NCCL runs all_to_all, gather and scatter as sends and
 //!   receives in the same per-peer queues as `ncclSend`/`ncclRecv`, so their per-peer parts are
 //!   compared with the sends and receives around them, in the order a group posts its calls
-//!   (the order they were made in), and for operations captured into a graph whether their
-//!   memory is from `ncclMemAlloc` (NCCL registers such memory for a graph's transfers by
-//!   itself, and a transfer registered on one side only moves in other steps than its peer's);
+//!   (the order they were made in), whether each side's memory is registered with its
+//!   communicator, and for operations captured into a graph whether it is from `ncclMemAlloc`
+//!   (NCCL registers such memory for a graph's transfers by itself): NCCL's registered path
+//!   needs both sides registered or neither, and a side registered alone moves the transfer in
+//!   other steps than its peer's;
 //!   the model, with the NCCL source it follows, is written down
 //!   in `src/nccl/verify/model.rs`, and a CPU test checks verification against a model of
 //!   NCCL's queues over every two-rank program of up to two calls per rank. Ranks
@@ -155,7 +157,9 @@
 //!   the buffer leak its memory rather than free it under NCCL. Memory from `ncclMemAlloc` is
 //!   freed only once its uses have completed, without blocking the drop. Window registration,
 //!   collective in NCCL, is exchanged among the ranks first (index, size, refusals), so a
-//!   disagreement is an error on every rank. Tests: `tests/registered_stub.rs` (CPU),
+//!   disagreement is an error on every rank; whether each side of a transfer is registered is
+//!   verified with the transfer (see "Across ranks"). Tests: `tests/registered_stub.rs` (CPU:
+//!   among them a registered send into an unregistered receive refused),
 //!   `tests/registered.rs`.
 //! - **Bounded.** Every host wait on a communicator has its timeout; the wait for a peer's
 //!   counterpart is bounded by it and never waits for the GPU. A watchdog thread aborts a
@@ -239,10 +243,9 @@
 //!   backlog): a flood of connections can delay setup, up to the timeout. While a rank
 //!   verifies with a remote peer, that peer's heartbeats may reach the watchdog up to about
 //!   40 ms late (its freshness bound is 1 s).
-//! - [`Communicator::register`] and [`Communicator::register_window`] are `unsafe`:
-//!   verification does not yet compare whether each side of a transfer is registered (NCCL's
-//!   registered send/receive path needs both or neither), nor which window and offset each
-//!   rank passes to a collective (NCCL's symmetric and copy-engine paths rely on it).
+//! - [`Communicator::register_window`] is `unsafe`: verification does not yet compare which
+//!   window and offset each rank passes to a collective (NCCL's symmetric and copy-engine paths
+//!   rely on it).
 //! - NCCL's tuning variables decide on each rank how it splits a send or receive into steps;
 //!   ranks whose `NCCL_*` settings differ there are refused at creation (see
 //!   [`Communicator::new`]), other `NCCL_*` variables are trusted to be the same.

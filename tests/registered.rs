@@ -115,10 +115,8 @@ fn registered_paths() -> Result<(), Failed> {
             w_in.as_raw_ptr(),
             w_out.as_raw_ptr()
         );
-        // SAFETY: every transfer over `a` has registered counterparts (one rank: its own).
-        let ra = unsafe { comm.register(&mut a) }?;
-        // SAFETY: every transfer over `b` has registered counterparts (one rank: its own).
-        let mut rb = unsafe { comm.register(&mut b) }?;
+        let ra = comm.register(&mut a)?;
+        let mut rb = comm.register(&mut b)?;
         if !ra.is_active() {
             println!("NCCL returned no registration handle (NCCL_LOCAL_REGISTER=0?)");
         }
@@ -172,8 +170,7 @@ fn dropped_behind_work(window: bool) -> Result<(), Failed> {
         drop(w);
         start.elapsed()
     } else {
-        // SAFETY: every transfer over `a` has registered counterparts (one rank: its own).
-        let r = unsafe { comm.register(&mut a) }?;
+        let r = comm.register(&mut a)?;
         kernels::busy(&s, busy)?;
         comm.all_reduce(r.view(), &mut out, ReduceOp::Sum, &s)?;
         let start = Instant::now();

@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use handoff::{Communicator, Device, DeviceBuffer, Error, ReduceOp, Stream};
+use handoff::{Communicator, Device, DeviceBuffer, Error, ReduceOp, Stream, group};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// Set in the child that runs against the NCCL without the functions.
@@ -48,6 +48,16 @@ impl Stubs {
             let set: libloading::Symbol<unsafe extern "C" fn(i32)> =
                 self.cudart.get(b"cudart_stub_set_event_query\0").expect("setter");
             set(if pending { NOT_READY } else { 0 });
+        }
+    }
+
+    /// Makes the stub runtime report `n` devices.
+    fn set_devices(&self, n: i32) {
+        // SAFETY: `void set(int)`.
+        unsafe {
+            let set: libloading::Symbol<unsafe extern "C" fn(i32)> =
+                self.cudart.get(b"cudart_stub_set_devices\0").expect("setter");
+            set(n);
         }
     }
 
@@ -153,8 +163,7 @@ fn registration_lifecycle(s: &Stubs) -> Result<(), Failed> {
     let before = s.counts(&names);
     let mut buf = DeviceBuffer::<f32>::zeros_nccl(&stream, 1024)?;
     {
-        // SAFETY: every transfer over `buf` has registered counterparts (one rank: its own).
-        let mut reg = unsafe { comm.register(&mut buf) }?;
+        let mut reg = comm.register(&mut buf)?;
         if !reg.is_active() {
             return Err("the stub returned a handle".into());
         }
@@ -169,13 +178,11 @@ fn registration_lifecycle(s: &Stubs) -> Result<(), Failed> {
         return Err("the registration's drop did not wait for the buffer's uses".into());
     }
     // Explicit deregistration reports, and the buffer is the caller's again.
-    // SAFETY: every transfer over `buf` has registered counterparts (one rank: its own).
-    let reg = unsafe { comm.register(&mut buf) }?;
+    let reg = comm.register(&mut buf)?;
     reg.deregister()?;
     buf.memset_zero(&stream)?;
     // Forgotten: the buffer leaks its memory instead of freeing it under NCCL.
-    // SAFETY: nothing is transferred over the buffer.
-    std::mem::forget(unsafe { comm.register(&mut buf) }?);
+    std::mem::forget(comm.register(&mut buf)?);
     let frees = s.count("ncclMemFree");
     match buf.free() {
         Err(Error::InvalidArgument(m)) if m.contains("forgotten") => {}
@@ -183,6 +190,52 @@ fn registration_lifecycle(s: &Stubs) -> Result<(), Failed> {
     }
     if s.count("ncclMemFree") != frees {
         return Err("ncclMemFree ran on memory still registered".into());
+    }
+    Ok(())
+}
+
+/// NCCL's registered send/receive path needs both sides registered and does not check it: a
+/// send from registered memory into an unregistered receive, between two ranks of one
+/// `init_all` (two stub devices), is refused before NCCL is called; registered on both sides,
+/// or on neither, it is posted.
+fn registration_is_compared_across_a_transfer(s: &Stubs) -> Result<(), Failed> {
+    s.set_devices(2);
+    let (d0, d1) = (Device::new(0)?, Device::new(1)?);
+    let comms = Communicator::init_all(&[d0.clone(), d1.clone()])?;
+    let (s0, s1) = (Stream::new(&d0)?, Stream::new(&d1)?);
+    let mut a = DeviceBuffer::<f32>::zeros_nccl(&s0, 16)?;
+    let mut b = DeviceBuffer::<f32>::zeros_nccl(&s1, 16)?;
+    let sends = s.count("ncclSend");
+    {
+        let ra = comms[0].register(&mut a)?;
+        let refused = group(|g| {
+            g.send(&comms[0], ra.view(), 1, &s0)?;
+            g.recv(&comms[1], &mut b, 0, &s1)
+        });
+        match refused {
+            Err(Error::InvalidArgument(m)) if m.contains("registered with the communicator") => {
+                println!("refused: {m}")
+            }
+            other => {
+                return Err(format!("a registered send into an unregistered receive gave {other:?}").into());
+            }
+        }
+        if s.count("ncclSend") != sends {
+            return Err("the refused transfer reached NCCL".into());
+        }
+        let mut rb = comms[1].register(&mut b)?;
+        group(|g| {
+            g.send(&comms[0], ra.view(), 1, &s0)?;
+            g.recv(&comms[1], rb.view_mut(), 0, &s1)
+        })?;
+    }
+    // Both deregistered: the same transfer over the bare buffers is posted.
+    group(|g| {
+        g.send(&comms[0], &a, 1, &s0)?;
+        g.recv(&comms[1], &mut b, 0, &s1)
+    })?;
+    if s.count("ncclSend") != sends + 2 {
+        return Err(format!("{} sends reached NCCL, want 2", s.count("ncclSend") - sends).into());
     }
     Ok(())
 }
@@ -273,8 +326,7 @@ fn child_without_the_functions() -> Result<(), String> {
     };
     check("zeros_nccl", DeviceBuffer::<f32>::zeros_nccl(&stream, 16).err())?;
     let mut buf = DeviceBuffer::<f32>::zeros(&stream, 16).map_err(|e| e.to_string())?;
-    // SAFETY: refused before anything is registered (the NCCL lacks the call).
-    check("register", unsafe { comm.register(&mut buf) }.err())?;
+    check("register", comm.register(&mut buf).err())?;
     // SAFETY: refused before NCCL (one rank).
     check("register_window", unsafe { comm.register_window(&mut buf) }.err())?;
     comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &stream)
@@ -346,6 +398,10 @@ fn main() {
             registration_lifecycle,
         ),
         trial("a_window_needs_nccl_memory_and_is_never_made_twice", window_rules),
+        trial(
+            "registration_is_compared_across_a_transfer",
+            registration_is_compared_across_a_transfer,
+        ),
         trial(
             "a_window_on_a_two_rank_init_all_communicator_is_refused",
             window_on_a_clique_refused,

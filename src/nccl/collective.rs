@@ -146,13 +146,14 @@ impl<'a> Group<'a> {
             stream.check_tracked(s.tracked(), Access::Read)?;
         }
         stream.check_tracked(recv.tracked(), Access::Write)?;
-        // In place, the input is the output's memory.
+        // In place, the input is the output's memory. Flags as a send's or receive's with a peer
+        // (`memory_flags`): bits 0 and 2 of the input, 1 and 3 of the output; a one-rank
+        // collective has no peer (NCCL copies locally), so none.
         let input = send.as_ref().map_or(recv.tracked(), |s| s.tracked());
-        let nccl_memory = if comm.in_graph {
-            u8::from(input.nccl_memory) | u8::from(recv.tracked().nccl_memory) << 1
-        } else {
-            0
-        };
+        let peer = (comm.rank() + 1) % comm.world_size();
+        let flags = |t| crate::nccl::group::memory_flags(comm, t, peer);
+        let (i, o) = (flags(input), flags(recv.tracked()));
+        let nccl_memory = (i & 1) | ((o & 1) << 1) | (((i >> 1) & 1) << 2) | (((o >> 1) & 1) << 3);
         self.push_coll(CollOp {
             comm,
             stream,

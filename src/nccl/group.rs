@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, Cut, State, usable};
 use crate::nccl::types::NcclType;
 use crate::nccl::verify::model::{self, Call};
-use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, P2P};
+use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, P2P, REGISTERED};
 use crate::nccl::verify::{self, CollOps, Failure, PairOps};
 use crate::result::nccl as nc;
 use crate::stream::Stream;
@@ -116,19 +116,31 @@ impl Op<'_> {
                 count: self.count as u64,
                 dtype: self.dtype.0,
                 captured: self.comm.in_graph,
-                // NCCL never registers a send to oneself (`!selfSend`).
-                nccl_memory: if self.comm.in_graph
-                    && self.tracked.nccl_memory
-                    && self.peer != self.comm.rank()
-                {
-                    NCCL_MEMORY
-                } else {
-                    0
-                },
+                nccl_memory: memory_flags(self.comm, self.tracked, self.peer),
                 part: P2P,
             },
         }
     }
+}
+
+/// What NCCL's registered send/receive path depends on for `tracked`'s memory moved by `comm`
+/// with `peer` (see `wire::NCCL_MEMORY` and `wire::REGISTERED`): nothing with oneself, which
+/// NCCL never registers (`!selfSend`).
+pub(crate) fn memory_flags(comm: &Communicator, tracked: &Tracked, peer: usize) -> u8 {
+    if peer == comm.rank() {
+        return 0;
+    }
+    let captured = if comm.in_graph && tracked.nccl_memory {
+        NCCL_MEMORY
+    } else {
+        0
+    };
+    let registered = if tracked.is_registered_with(comm.key()) {
+        REGISTERED
+    } else {
+        0
+    };
+    captured | registered
 }
 
 /// One call of a group, in the order the closure made them: the order [`Group`] posts them in,

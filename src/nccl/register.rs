@@ -50,8 +50,7 @@ use crate::view::{View, ViewMut};
 
 /// A buffer registered with a communicator (`ncclCommRegister`), so that NCCL's operations on
 /// it may skip staging copies (zero-copy over NVLink and the network, fewer SMs). Made by
-/// [`Communicator::register`] (`unsafe`: both sides of every transfer over it must be
-/// registered); see the module for the rules it enforces.
+/// [`Communicator::register`]; see the module for the rules it enforces.
 ///
 /// The buffer is used through the registration: [`Registration::view`] for reads (sends,
 /// collective inputs), [`Registration::view_mut`] for writes (receives, outputs, kernels).
@@ -61,7 +60,7 @@ use crate::view::{View, ViewMut};
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// let reg = {
 ///     let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
-///     unsafe { comm.register(&mut buf)? }
+///     comm.register(&mut buf)?
 /// };
 /// drop(reg);
 /// # Ok(()) }
@@ -70,7 +69,7 @@ use crate::view::{View, ViewMut};
 /// ```compile_fail,E0505
 /// # fn f(comm: handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
-/// let reg = unsafe { comm.register(&mut buf)? };
+/// let reg = comm.register(&mut buf)?;
 /// drop(comm);
 /// drop(reg);
 /// # Ok(()) }
@@ -79,7 +78,7 @@ use crate::view::{View, ViewMut};
 /// ```compile_fail,E0505
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
-/// let reg = unsafe { comm.register(&mut buf)? };
+/// let reg = comm.register(&mut buf)?;
 /// buf.free()?;
 /// drop(reg);
 /// # Ok(()) }
@@ -89,7 +88,7 @@ use crate::view::{View, ViewMut};
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
 /// let mut other = handoff::DeviceBuffer::<f32>::zeros(s, 1024)?;
-/// let mut reg = unsafe { comm.register(&mut buf)? };
+/// let mut reg = comm.register(&mut buf)?;
 /// std::mem::swap(&mut *reg, &mut other);
 /// # Ok(()) }
 /// ```
@@ -99,7 +98,7 @@ use crate::view::{View, ViewMut};
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// use handoff::ReduceOp;
 /// let mut buf = handoff::DeviceBuffer::<f32>::from_slice_nccl(s, &[1.0; 1024])?;
-/// let mut reg = unsafe { comm.register(&mut buf)? };
+/// let mut reg = comm.register(&mut buf)?;
 /// comm.all_reduce_in_place(reg.view_mut(), ReduceOp::Sum, s)?;
 /// reg.deregister()?;
 /// let values = buf.to_vec(s)?;
@@ -302,6 +301,8 @@ fn end<T: Pod>(
     buf.registrations.count -= 1;
     if window {
         buf.registrations.window = false;
+    } else {
+        buf.tracked().note_deregistered(comm.key());
     }
     Ok(())
 }
@@ -456,21 +457,21 @@ impl Communicator {
     /// communicator; dropping the registration waits for the buffer's pending uses, then
     /// deregisters it.
     ///
-    /// # Safety
-    /// Every send or receive and every collective that uses the registered memory has its
-    /// counterparts on the peers in memory registered with their communicators too, and every
-    /// transfer over unregistered memory has unregistered counterparts. NCCL's registered
-    /// send/receive path needs both sides registered ("We require users registering buffers on
-    /// both sides", `addP2pToPlan` in NCCL 2.28.3's `src/enqueue.cc`) and does not check it: a side registered alone moves
-    /// the transfer in other steps than its peer (`src/device/sendrecv.h`), so the connection's
-    /// step counts drift and later transfers deliver wrong data or hang. Verification compares
-    /// each operation's count, type and order, not yet whether its memory is registered.
+    /// NCCL's registered send/receive path needs both sides of a transfer registered ("We
+    /// require users registering buffers on both sides", `addP2pToPlan` in NCCL 2.28.3's
+    /// `src/enqueue.cc`) and does not check it: a side registered alone would move the
+    /// transfer in other steps than its peer. So verification compares, for every send,
+    /// receive and collective, whether each side's memory is registered with its communicator:
+    /// a transfer from registered memory into unregistered memory is [`Error::Mismatch`] on
+    /// both ranks, before NCCL is called. (On a communicator made with the `unsafe`
+    /// [`CommOptions::unverified`](crate::CommOptions::unverified), matching registrations are
+    /// the caller's promise, with the rest of the operations.)
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a buffer on another device, or of no bytes;
     /// [`Error::CommunicatorUnusable`]; [`Error::Unsupported`] when the loaded NCCL lacks the
     /// call; NCCL errors.
-    pub unsafe fn register<'c, 'b, T: Pod>(
+    pub fn register<'c, 'b, T: Pod>(
         &'c self,
         buf: &'b mut DeviceBuffer<T>,
     ) -> Result<Registration<'c, 'b, T>> {
@@ -498,6 +499,9 @@ impl Communicator {
             unsafe { nc::comm_register(raw, buf.as_raw_mut_ptr().cast(), buf.byte_len()) }?
         };
         buf.registrations.count += 1;
+        // Verification now says, of every send, receive and collective over this memory with
+        // this communicator, that it is registered.
+        buf.tracked().note_registered(self.key());
         Ok(Registration {
             comm: self,
             buf,

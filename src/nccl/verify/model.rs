@@ -34,7 +34,7 @@
 //! made only by the `unsafe` [`crate::Communicator::register_window`], whose contract covers
 //! how every rank passes them; this model is that of every other collective.
 
-use super::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc};
+use super::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, REGISTERED};
 
 /// One call of a group, as [`expand`] reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,10 +83,14 @@ pub(crate) fn expand(call: Call, rank: usize, world: usize) -> impl Iterator<Ite
             _ if i < at_root => (i, Dir::Send),
             _ => (root, Dir::Recv),
         };
-        // A send part moves the input's memory, a receive part the output's; NCCL never
-        // registers a part with oneself (`!selfSend`).
-        let bit = if dir == Dir::Send { 1 } else { 2 };
-        let nccl_memory = u8::from(memory & bit != 0 && peer != rank) * NCCL_MEMORY;
+        // A send part moves the input's memory (bits 0 and 2), a receive part the output's
+        // (bits 1 and 3); NCCL never registers a part with oneself (`!selfSend`).
+        let of = if dir == Dir::Send { memory } else { memory >> 1 };
+        let nccl_memory = if peer == rank {
+            0
+        } else {
+            ((of & 1) * NCCL_MEMORY) | (((of >> 2) & 1) * REGISTERED)
+        };
         (peer, dir, OpDesc { nccl_memory, ..desc })
     };
     p2p.into_iter().chain((0..parts).map(part))

@@ -16,7 +16,8 @@ pub(crate) struct OpDesc {
     /// Captured into a graph: NCCL requires an operation to be captured on every rank of the
     /// transfer or on none.
     pub(crate) captured: bool,
-    /// 1 when captured and in memory from `ncclMemAlloc`, else 0 (see [`NCCL_MEMORY`]).
+    /// What NCCL's registered path depends on: [`NCCL_MEMORY`] when captured and in memory from
+    /// `ncclMemAlloc`, [`REGISTERED`] when the memory is registered with the communicator.
     pub(crate) nccl_memory: u8,
     /// The [`CollKind`] code of the collective this is a per-peer part of, or [`P2P`] for a
     /// send or receive the user posted: a part paired with another kind of operation would
@@ -39,6 +40,13 @@ pub(crate) const P2P: u8 = 0;
 /// ([`CollDesc::nccl_memory`]).
 pub(crate) const NCCL_MEMORY: u8 = 1;
 
+/// Memory registered with the communicator (`ncclCommRegister`): NCCL's send/receive path then
+/// takes the registered route on that side, which needs the peer's side registered too ("We
+/// require users registering buffers on both sides", `addP2pToPlan` in src/enqueue.cc, not
+/// checked by NCCL), so it is compared. The bit of a send or receive ([`OpDesc::nccl_memory`]);
+/// of a collective's input (bit 2) and output (bit 3) ([`CollDesc::nccl_memory`]).
+pub(crate) const REGISTERED: u8 = 2;
+
 impl OpDesc {
     /// The two words of a ring entry after its tag.
     pub(crate) fn encode(self) -> [u64; 2] {
@@ -46,7 +54,7 @@ impl OpDesc {
             self.count,
             u64::from(self.dtype)
                 | u64::from(self.captured) << 32
-                | u64::from(self.nccl_memory & 1) << 33
+                | u64::from(self.nccl_memory & 3) << 33
                 | u64::from(self.part) << 40,
         ]
     }
@@ -56,7 +64,7 @@ impl OpDesc {
             count: w[0],
             dtype: w[1] as u32,
             captured: (w[1] >> 32) & 1 == 1,
-            nccl_memory: ((w[1] >> 33) & 1) as u8,
+            nccl_memory: ((w[1] >> 33) & 3) as u8,
             part: (w[1] >> 40) as u8,
         }
     }
@@ -74,13 +82,23 @@ impl OpDesc {
             self.count,
             datatype_name(self.dtype),
             captured_note(self.captured),
-            if self.nccl_memory != 0 {
-                ", in ncclMemAlloc memory"
-            } else {
-                ""
-            }
+            memory_note(self.nccl_memory, NCCL_MEMORY, REGISTERED, "")
         )
     }
+}
+
+/// What a description adds, after `what`, for memory whose flags `bits` have `nccl`
+/// (`ncclMemAlloc` memory in a capture) or `registered` set.
+fn memory_note(bits: u8, nccl: u8, registered: u8, what: &str) -> String {
+    let sep = if what.is_empty() { ", " } else { " " };
+    let mut s = String::new();
+    if bits & nccl != 0 {
+        s += &format!("{what}{sep}in ncclMemAlloc memory");
+    }
+    if bits & registered != 0 {
+        s += &format!("{what}{sep}registered with the communicator");
+    }
+    s
 }
 
 /// What a description adds for an operation captured into a graph.
@@ -193,7 +211,8 @@ pub(crate) struct CollDesc {
     /// Captured into a graph: NCCL requires a collective to be captured on every rank or none.
     pub(crate) captured: bool,
     /// When captured, whether its input (bit 0) and output (bit 1) are `ncclMemAlloc` memory
-    /// (see [`NCCL_MEMORY`]); 0 when eager.
+    /// (see [`NCCL_MEMORY`]); whether they are registered with the communicator (bits 2 and 3,
+    /// see [`REGISTERED`]).
     pub(crate) nccl_memory: u8,
 }
 
@@ -206,7 +225,7 @@ impl CollDesc {
                 | u64::from(self.captured) << 7
                 | (u64::from(self.dtype) << 8)
                 | (u64::from(self.redop) << 32),
-            u64::from(self.root) | u64::from(self.nccl_memory & 3) << 32,
+            u64::from(self.root) | u64::from(self.nccl_memory & 0xf) << 32,
         ]
     }
 
@@ -215,7 +234,7 @@ impl CollDesc {
         Some(CollDesc {
             kind: CollKind::from_code(w[1] & 0x7f)?,
             captured: (w[1] >> 7) & 1 == 1,
-            nccl_memory: ((w[2] >> 32) & 3) as u8,
+            nccl_memory: ((w[2] >> 32) & 0xf) as u8,
             count: w[0],
             dtype: ((w[1] >> 8) & 0xff_ffff) as u32,
             redop: (w[1] >> 32) as u32,
@@ -236,11 +255,8 @@ impl CollDesc {
         if self.root != NONE {
             s += &format!(", root {}", self.root);
         }
-        for (bit, what) in [(1, "input"), (2, "output")] {
-            if self.nccl_memory & bit != 0 {
-                s += &format!(", {what} in ncclMemAlloc memory");
-            }
-        }
+        s += &memory_note(self.nccl_memory, 1, 4, ", input");
+        s += &memory_note(self.nccl_memory, 2, 8, ", output");
         s + captured_note(self.captured)
     }
 }
@@ -282,7 +298,7 @@ pub(crate) fn compare_coll(
 
 // "HDOFFCD4": cards name the rank's host and its verification channel (see
 // [`super::channel`]), so ranks of another version must not be paired with these.
-const CARD_MAGIC: u64 = 0x4844_4f46_4643_4436; // "HDOFFCD6"
+const CARD_MAGIC: u64 = 0x4844_4f46_4643_4437; // "HDOFFCD7"
 /// Words in an encoded card.
 pub(crate) const CARD_WORDS: usize = 40;
 const PATH_AT: usize = 8;
@@ -574,6 +590,16 @@ mod tests {
         assert_eq!(OpDesc::decode(vmm.encode()), vmm);
         let e = compare(0, 1, Dir::Send, 0, vmm, pool).unwrap_err();
         assert!(e.contains("in ncclMemAlloc memory, but"), "{e}");
+        let registered = OpDesc {
+            nccl_memory: NCCL_MEMORY | REGISTERED,
+            ..pool
+        };
+        assert_eq!(OpDesc::decode(registered.encode()), registered);
+        let e = compare(0, 1, Dir::Recv, 0, pool, registered).unwrap_err();
+        assert!(
+            e.ends_with("in ncclMemAlloc memory, registered with the communicator"),
+            "{e}"
+        );
         let c = CollDesc {
             kind: CollKind::Gather,
             count: 4,
