@@ -151,6 +151,15 @@ mod tests {
             bits,
             [(0, Send, 0), (0, Recv, 0), (1, Send, 0), (1, Recv, NCCL_MEMORY)]
         );
+        // Registered input (bit 2) and output (bit 3): every part with a peer says so.
+        let registered = CollDesc {
+            nccl_memory: 4 | 8,
+            ..captured
+        };
+        let bits: Vec<u8> = expand(Call::Coll(registered), 0, 2)
+            .map(|(.., o)| o.nccl_memory)
+            .collect();
+        assert_eq!(bits, [0, 0, REGISTERED, REGISTERED]);
         let p = Call::P2p {
             peer: 1,
             dir: Recv,
