@@ -434,19 +434,20 @@ fn forged_replayed_or_unknown_frames_end_the_connection() {
     }
 }
 
+/// The frame that publishes entry `index` of a 4-element f32 send (a rank's first kind of
+/// frame), as a peer would write it.
+fn publish(index: u64) -> [u64; 5] {
+    let [w0, w1] = OpDesc {
+        count: 4,
+        dtype: 7,
+        ..OpDesc::default()
+    }
+    .encode();
+    [1, 1, index, w0, w1]
+}
+
 #[test]
 fn a_record_is_applied_whole_or_not_at_all() {
-    let publish = |index: u64| {
-        let [w0, w1] = OpDesc {
-            count: 4,
-            dtype: 7,
-            captured: false,
-            nccl_memory: 0,
-            part: P2P,
-        }
-        .encode();
-        [1, 1, index, w0, w1]
-    };
     let (a, peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0), publish(1)]));
     assert_eq!(verify(&[ops(&a, &[4, 4], &[], 2 * SECOND)], &[]), Ok(()));
     drop(peer);
@@ -494,17 +495,6 @@ fn checked_counters_a_verification_leaves_reach_the_peer_without_another() {
 
 #[test]
 fn a_replayed_frame_is_refused_while_the_connection_stays_open() {
-    let publish = |index: u64| {
-        let [w0, w1] = OpDesc {
-            count: 4,
-            dtype: 7,
-            captured: false,
-            nccl_memory: 0,
-            part: P2P,
-        }
-        .encode();
-        [1, 1, index, w0, w1]
-    };
     let (a, peer) = raw_peer(move |k| {
         [
             record_for_test(&k.send, 0, &[publish(0)]),
