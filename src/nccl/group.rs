@@ -123,6 +123,9 @@ impl Op<'_> {
     }
 }
 
+/// One send or receive NCCL will queue: `(communicator, peer, direction, description)`.
+type Queued<'a> = (&'a Communicator, usize, Dir, OpDesc);
+
 /// What NCCL's registered send/receive path depends on for `tracked`'s memory moved by `comm`
 /// with `peer` (see `wire::NCCL_MEMORY` and `wire::REGISTERED`): nothing with oneself, which
 /// NCCL never registers (`!selfSend`).
@@ -310,8 +313,8 @@ impl<'a> Group<'a> {
     }
 
     /// Every send and receive NCCL will queue for this group, its collectives' per-peer parts
-    /// included, in NCCL's order: `(communicator, peer, direction, description)`.
-    fn queued(&self) -> impl Iterator<Item = (&'a Communicator, usize, Dir, OpDesc)> + '_ {
+    /// included, in NCCL's order.
+    fn queued(&self) -> impl Iterator<Item = Queued<'a>> + '_ {
         self.order.iter().flat_map(|p| {
             let (comm, call) = match *p {
                 Posted::P2p(i) => (self.ops[i].comm, self.ops[i].call()),
@@ -433,8 +436,10 @@ impl<'a> Group<'a> {
     /// of one `init_all`, which one thread drives), collectives' parts included, are matched
     /// here, before anything is published or posted, whether or not the communicator verifies:
     /// NCCL would otherwise wait forever for the other half, or pair it with another operation.
-    fn check_local(&self) -> Result<()> {
-        for (comm, peer, dir, _) in self.queued() {
+    fn check_local(&self, queued: &[Queued<'a>]) -> Result<()> {
+        // Each pair once (as (from, to) with the lower key first).
+        let mut checked: SmallVec<[(usize, usize); 4]> = SmallVec::new();
+        for &(comm, peer, dir, _) in queued {
             let me = comm.rank();
             if peer != me && comm.clique.is_none() {
                 continue;
@@ -452,10 +457,16 @@ impl<'a> Group<'a> {
                     }
                 )));
             };
+            let pair = (comm.key().min(other.key()), comm.key().max(other.key()));
+            if checked.contains(&pair) {
+                continue;
+            }
+            checked.push(pair);
             let side = |from: &'a Communicator, to: usize, d: Dir| {
-                self.queued()
-                    .filter(move |&(c, p, e, _)| std::ptr::eq(c, from) && p == to && e == d)
-                    .map(|(.., desc)| desc)
+                queued
+                    .iter()
+                    .filter(move |&&(c, p, e, _)| std::ptr::eq(c, from) && p == to && e == d)
+                    .map(|&(.., desc)| desc)
             };
             // Both directions of the pair: my sends with its receives, its sends with mine.
             for (from, to, a, b) in [(comm, other, me, peer), (other, comm, peer, me)] {
@@ -479,9 +490,9 @@ impl<'a> Group<'a> {
 
     /// Verification (on communicators that have it): every operation published to its peer,
     /// and its counterpart seen and compared, before anything reaches NCCL.
-    fn verify(&self, comms: &[&'a Communicator]) -> Result<()> {
+    fn verify(&self, comms: &[&'a Communicator], queued: &[Queued<'a>]) -> Result<()> {
         let mut pairs: SmallVec<[PairOps<'_>; 2]> = SmallVec::new();
-        for (comm, peer, dir, desc) in self.queued() {
+        for &(comm, peer, dir, desc) in queued {
             let Some(boxes) = &comm.boxes else { continue };
             let i = match pairs
                 .iter()
@@ -550,9 +561,11 @@ impl<'a> Group<'a> {
         }
         let comms = self.comms();
         self.check_capture()?;
-        self.check_local()?;
+        // What NCCL will queue, expanded once for the checks and verification.
+        let queued: SmallVec<[Queued<'a>; 8]> = self.queued().collect();
+        self.check_local(&queued)?;
         self.check_local_collectives()?;
-        self.verify(&comms)?;
+        self.verify(&comms, &queued)?;
         // Verified: each operation is now in the peers' order. From here until NCCL has the
         // group, any failure (or panic) must break every communicator of the group, or their
         // next operations would be matched, verified, against the wrong peer operations.
