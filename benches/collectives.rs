@@ -45,6 +45,9 @@ impl Op {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Mode {
+    /// One rank sending to itself on GPU 0: handoff's own cost, where NCCL copies locally.
+    #[value(name = "self")]
+    SelfRank,
     /// Two ranks in this process.
     #[value(name = "inproc")]
     InProc,
@@ -54,7 +57,7 @@ enum Mode {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "handoff's collectives against raw NCCL, on two GPUs")]
+#[command(about = "handoff's collectives against raw NCCL, on two GPUs (or one rank with --mode self)")]
 struct Opts {
     #[arg(long, value_enum, default_value = "inproc")]
     mode: Mode,
@@ -74,21 +77,19 @@ struct Opts {
     bench: bool,
 }
 
-const WORLD: usize = 2;
-
 struct Rank {
     stream: Stream,
     input: DeviceBuffer<f32>,
     output: DeviceBuffer<f32>,
 }
 
-/// Input and output lengths for `count` (NCCL's count) of `op`.
-fn lengths(op: Op, count: usize) -> (usize, usize) {
+/// Input and output lengths for `count` (NCCL's count) of `op` over `world` ranks.
+fn lengths(op: Op, count: usize, world: usize) -> (usize, usize) {
     match op {
         Op::AllReduce | Op::Broadcast => (count, count),
-        Op::AllGather => (count, WORLD * count),
-        Op::ReduceScatter => (WORLD * count, count),
-        Op::AllToAll => (WORLD * count, WORLD * count),
+        Op::AllGather => (count, world * count),
+        Op::ReduceScatter => (world * count, count),
+        Op::AllToAll => (world * count, world * count),
     }
 }
 
@@ -99,7 +100,7 @@ fn post_safe<'a>(
     r: &'a mut Rank,
     count: usize,
 ) -> handoff::Result<()> {
-    let (ilen, olen) = lengths(op, count);
+    let (ilen, olen) = lengths(op, count, comm.world_size());
     let (input, output, s) = (r.input.slice(..ilen)?, r.output.slice_mut(..olen)?, &r.stream);
     match op {
         Op::AllReduce => g.all_reduce(comm, input, output, ReduceOp::Sum, s),
@@ -158,7 +159,7 @@ fn main() -> handoff::Result<()> {
             Some(l) => Some(l),
             None => return harness::spawn_procs([0, 1]).map_err(handoff::Error::InvalidArgument),
         },
-        Mode::InProc => None,
+        Mode::InProc | Mode::SelfRank => None,
     };
     // This process's ranks: both (inproc) or its own (procs).
     let (verified, unverified, label) = match launch {
@@ -172,6 +173,13 @@ fn main() -> handoff::Result<()> {
                 "two processes, GPU 0 and GPU 1, through the bootstrap",
             )
         }
+        None if o.mode == Mode::SelfRank => {
+            let devs = [Device::new(0)?];
+            let v = Communicator::init_all(&devs)?;
+            // SAFETY: this benchmark posts the same collectives on every rank (one).
+            let u = Communicator::init_all_with(&devs, unsafe { CommOptions::default().unverified() })?;
+            (v, u, "one rank on GPU 0 (NCCL copies locally)")
+        }
         None => {
             let devs = [Device::new(0)?, Device::new(1)?];
             let v = Communicator::init_all(&devs)?;
@@ -181,13 +189,14 @@ fn main() -> handoff::Result<()> {
         }
     };
     let reports = verified[0].rank() == 0;
+    let world = verified[0].world_size();
     let max_count = o.sweep.max_bytes / 4;
     let mut ranks: Vec<Rank> = verified
         .iter()
         .map(|c| {
             let stream = Stream::new(c.device())?;
-            let input = DeviceBuffer::from_slice(&stream, &vec![1.0f32; WORLD * max_count])?;
-            let output = DeviceBuffer::zeros(&stream, WORLD * max_count)?;
+            let input = DeviceBuffer::from_slice(&stream, &vec![1.0f32; world * max_count])?;
+            let output = DeviceBuffer::zeros(&stream, world * max_count)?;
             Ok(Rank {
                 stream,
                 input,
@@ -211,7 +220,7 @@ fn main() -> handoff::Result<()> {
                 o.sweep.iters,
                 o.sweep.warmup,
                 o.sweep.repeats,
-                op.bus_factor(WORLD as f64)
+                op.bus_factor(world as f64)
             );
             println!("{}", harness::header());
         }
@@ -223,13 +232,13 @@ fn main() -> handoff::Result<()> {
                 }
             }
         }
-        let factor = op.bus_factor(WORLD as f64);
+        let factor = op.bus_factor(world as f64);
         let mut rows = Vec::new();
-        for bytes in o.sweep.sizes(4 * WORLD) {
+        for bytes in o.sweep.sizes(4 * world) {
             // nccl-tests' size is the larger buffer per rank.
             let count = match op {
                 Op::AllReduce | Op::Broadcast => bytes / 4,
-                Op::AllGather | Op::ReduceScatter | Op::AllToAll => bytes / 4 / WORLD,
+                Op::AllGather | Op::ReduceScatter | Op::AllToAll => bytes / 4 / world,
             }
             .max(1);
             let call = |way: Way, ranks: &mut [Rank]| match way {
@@ -259,7 +268,7 @@ fn main() -> handoff::Result<()> {
                 Ok(f64::from(start.elapsed_ms(&end)?) * 1000.0)
             })?;
             // The result once: ones everywhere, so a sum is 2 and the rest 1.
-            let (_, olen) = lengths(op, count);
+            let (_, olen) = lengths(op, count, world);
             let last = ranks.last().expect("a rank");
             let got = last.output.slice(..olen)?.to_vec(&last.stream)?;
             let want = if matches!(op, Op::AllReduce | Op::ReduceScatter) {
