@@ -272,7 +272,7 @@ fn main() -> handoff::Result<()> {
             let last = ranks.last().expect("a rank");
             let got = last.output.slice(..olen)?.to_vec(&last.stream)?;
             let want = if matches!(op, Op::AllReduce | Op::ReduceScatter) {
-                2.0
+                world as f32
             } else {
                 1.0
             };
