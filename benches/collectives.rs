@@ -267,7 +267,7 @@ fn main() -> handoff::Result<()> {
                 end.synchronize()?;
                 Ok(f64::from(start.elapsed_ms(&end)?) * 1000.0)
             })?;
-            // The result once: ones everywhere, so a sum is 2 and the rest 1.
+            // The result once: ones everywhere, so a sum is the world size and the rest 1.
             let (_, olen) = lengths(op, count, world);
             let last = ranks.last().expect("a rank");
             let got = last.output.slice(..olen)?.to_vec(&last.stream)?;
