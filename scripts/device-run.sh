@@ -77,9 +77,12 @@ if ! skip bench && [ -x .device/benches/sendrecv ]; then
     --svg "$bench/sendrecv-self-nb.svg" ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
   [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench sendrecv --mode self --nonblocking")
 fi
-# The collectives benchmark (two GPUs), in one process and in two.
-if ! skip bench && [ -x .device/benches/collectives ] && [ "$gpus" -ge 2 ]; then
-  for m in inproc procs; do
+# The collectives benchmark: one rank always (handoff's own cost), and with two GPUs in one
+# process and in two.
+if ! skip bench && [ -x .device/benches/collectives ]; then
+  modes="self"
+  [ "$gpus" -ge 2 ] && modes="self inproc procs"
+  for m in $modes; do
     say "== bench collectives --mode $m"
     # shellcheck disable=SC2086
     .device/benches/collectives --mode "$m" --csv "$bench/coll-$m" --svg "$bench/coll-$m" \
