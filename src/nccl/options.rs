@@ -98,9 +98,14 @@ impl CommOptions {
     /// # Safety
     /// For every send this rank posts, the peer posts a receive of the same element count and
     /// type, and the sends and receives between each pair of ranks are posted in the same order
-    /// on both (a send to oneself included: its receive in the same group). NCCL leaves a
-    /// disagreement undefined: measured on two H200s it delivered wrong data, hung, or wrote
-    /// past the end of a shorter receive buffer.
+    /// on both (a send to oneself included: its receive in the same group), counting the
+    /// per-peer parts of all_to_all, gather and scatter as NCCL does (see
+    /// `src/nccl/verify/model.rs`); every rank posts the same collectives in the same order;
+    /// and both sides of each transfer agree on whether their memory is registered with the
+    /// communicator, and, in a graph capture, on whether it is from `ncclMemAlloc` (what
+    /// verification would have compared). NCCL leaves a disagreement undefined: measured on
+    /// two H200s it delivered wrong data, hung, or wrote past the end of a shorter receive
+    /// buffer.
     ///
     /// ```
     /// // SAFETY: every rank of this program posts matching sends and receives.
