@@ -501,6 +501,7 @@ impl Communicator {
             verified,
             random_token(),
             timeout,
+            self.options.cta_policy().map(|p| p.code()),
             &mut |w: &[u64]| self.all_gather_words(w),
         )?;
         if let Some(s) = settled {

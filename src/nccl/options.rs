@@ -40,7 +40,7 @@ pub enum CtaPolicy {
 }
 
 impl CtaPolicy {
-    fn code(self) -> i32 {
+    pub(crate) fn code(self) -> i32 {
         use crate::sys::nccl as n;
         let code = match self {
             CtaPolicy::Default => n::NCCL_CTA_POLICY_DEFAULT,

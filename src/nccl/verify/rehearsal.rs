@@ -47,7 +47,7 @@ impl Rank {
     ) -> Result<Rank, String> {
         let mut g = |w: &[u64]| gather(w).map_err(|detail| crate::Error::Setup { detail });
         let token = u64::from_le_bytes(super::auth::random::<8>()?);
-        let s = setup::settle(rank, world, true, token, timeout, &mut g)
+        let s = setup::settle(rank, world, true, token, timeout, None, &mut g)
             .map_err(|e| e.to_string())?
             .expect("verified");
         Ok(Rank {

@@ -185,18 +185,30 @@ pub(crate) fn settle(
     verified: bool,
     token: u64,
     timeout: Duration,
+    cta_policy: Option<i32>,
     gather: &mut Gather<'_>,
 ) -> Result<Option<Settled>> {
-    settle_in(rank, world, verified, token, timeout, gather, Env::read)
+    settle_in(
+        rank,
+        world,
+        verified,
+        token,
+        timeout,
+        cta_policy,
+        gather,
+        Env::read,
+    )
 }
 
 /// [`settle`], with `env` for what it would read from the environment.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn settle_in(
     rank: usize,
     world: usize,
     verified: bool,
     token: u64,
     timeout: Duration,
+    cta_policy: Option<i32>,
     gather: &mut Gather<'_>,
     env: impl FnOnce() -> std::result::Result<Env, String>,
 ) -> Result<Option<Settled>> {
@@ -229,7 +241,10 @@ pub(crate) fn settle_in(
             .and_then(|m| m.listener.as_ref())
             .and_then(|l| l.local_addr().ok()),
         channel_token: mine.as_ref().map_or(0, |m| m.token),
-        tuning: super::wire::tuning_digest(|k| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned())),
+        tuning: super::wire::tuning_digest(|k| match k {
+            super::wire::CTA_POLICY_OPTION => cta_policy.map(|c| c.to_string()),
+            _ => std::env::var_os(k).map(|v| v.to_string_lossy().into_owned()),
+        }),
     };
     let words = match card(&mine).encode() {
         Ok(w) => w,
@@ -599,7 +614,7 @@ mod tests {
                 round += 1;
                 all
             };
-            settle_in(rank, 2, true, 7 + rank as u64, timeout, &mut gather, || {
+            settle_in(rank, 2, true, 7 + rank as u64, timeout, None, &mut gather, || {
                 Ok(env(&dir, forced))
             })
         })

@@ -383,7 +383,12 @@ pub(crate) const TUNING: &[&str] = &[
     "NCCL_P2P_USE_CUDA_MEMCPY",
     "NCCL_PROTO",
     "NCCL_WIN_ENABLE",
+    CTA_POLICY_OPTION,
 ];
+
+/// In [`TUNING`], the communicator's own CTA policy ([`crate::CommOptions::with_cta_policy`]),
+/// which NCCL's environment variable overrides and which decides CTAs as the variable does.
+pub(crate) const CTA_POLICY_OPTION: &str = "CommOptions::with_cta_policy";
 
 /// A digest of the [`TUNING`] variables as `var` reads them (the process environment, where
 /// NCCL has also put what its configuration files set): FNV-1a over each name and value, an
@@ -789,6 +794,11 @@ mod tests {
         assert_ne!(none, chunk);
         assert_ne!(none, empty, "an empty value is not an unset one");
         assert_eq!(none, other, "the network interface may differ between hosts");
+        let cta = tuning_digest(env(&[(CTA_POLICY_OPTION, "2")]));
+        assert_ne!(
+            none, cta,
+            "the communicator's CTA policy counts as the variable does"
+        );
         let with = |tuning| Card {
             tuning,
             ..card(0, 2, true)
