@@ -340,7 +340,8 @@ impl Communicator {
     /// ranks on one GPU); [`Error::Setup`] when the ranks disagree on verification, cannot
     /// reach each other's mailboxes, or set NCCL's tuning variables differently (those from
     /// which each rank alone decides how a transfer is cut into steps: `NCCL_PROTO`,
-    /// `NCCL_P2P_*_CHUNKSIZE`, `NCCL_LOCAL_REGISTER` and the others the message lists).
+    /// `NCCL_P2P_*_CHUNKSIZE`, `NCCL_LOCAL_REGISTER` and the others the message lists, and
+    /// [`CommOptions::with_cta_policy`]).
     pub fn new(device: &Device, world: usize, rank: usize, id: &UniqueId) -> Result<Communicator> {
         Self::with_options(device, world, rank, id, CommOptions::default())
     }
