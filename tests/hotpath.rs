@@ -17,6 +17,9 @@ use std::time::Duration;
 use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Graph, ReduceOp, Stream, group, kernels};
 use libtest_mimic::{Arguments, Failed, Trial};
 
+mod stubs;
+use stubs::NoStubs;
+
 /// Counts the calling thread's heap allocations (allocations and reallocations).
 struct Counting;
 
@@ -64,43 +67,12 @@ struct Stubs {
 /// cudaErrorNotReady: what the stub's cudaEventQuery returns while work "runs".
 const NOT_READY: i32 = 600;
 
-/// Why the stubs could not be built.
-enum NoStubs {
-    /// No C compiler to run.
-    NoCompiler(String),
-    /// Anything else.
-    Failed(String),
-}
-
 fn build_stubs() -> Result<(PathBuf, PathBuf), NoStubs> {
-    // Where the crate was built, or (a staged binary, run from the repository's root on
-    // another machine) the working directory's.
-    let src = [Path::new(env!("CARGO_MANIFEST_DIR")), Path::new(".")]
-        .iter()
-        .map(|root| root.join("tests/stubs"))
-        .find(|d| d.join("cudart.c").is_file())
-        .ok_or_else(|| NoStubs::Failed("tests/stubs/cudart.c not found".into()))?;
     let out = std::env::temp_dir().join(format!("handoff-hotpath-stubs-{}", std::process::id()));
-    std::fs::create_dir_all(&out).map_err(|e| NoStubs::Failed(format!("{}: {e}", out.display())))?;
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let mut built = Vec::new();
-    for (c, so) in [("cudart.c", "libcudart.so.13"), ("nccl.c", "libnccl.so.2")] {
-        let target = out.join(so);
-        let status = std::process::Command::new(&cc)
-            .args(["-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-pthread", "-I"])
-            .arg(&src)
-            .arg("-o")
-            .arg(&target)
-            .arg(src.join(c))
-            .arg("-ldl")
-            .status()
-            .map_err(|e| NoStubs::NoCompiler(format!("could not run the C compiler {cc:?} (set CC): {e}")))?;
-        if !status.success() {
-            return Err(NoStubs::Failed(format!("{cc} failed to build {c}: {status}")));
-        }
-        built.push(target);
-    }
-    Ok((built[0].clone(), built[1].clone()))
+    Ok((
+        stubs::build(&out, "cudart.c", "libcudart.so.13")?,
+        stubs::build(&out, "nccl.c", "libnccl.so.2")?,
+    ))
 }
 
 impl Stubs {
@@ -857,8 +829,8 @@ fn main() {
             println!("hotpath: not run here: {e}");
             return;
         }
-        Err(NoStubs::NoCompiler(e) | NoStubs::Failed(e)) => {
-            panic!("the stub libraries could not be built: {e}")
+        Err(e) => {
+            panic!("the stub libraries could not be built: {}", e.text())
         }
     };
     // SAFETY: no other thread exists yet, and nothing has read the environment.

@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use handoff::{Communicator, Device, DeviceBuffer, Error, ReduceOp, Stream, group};
+
+mod stubs;
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// Set in the child that runs against the NCCL without the functions.
@@ -68,21 +70,7 @@ impl Stubs {
 }
 
 fn build(dir: &Path, c: &str, so: &str) -> Result<PathBuf, String> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/stubs");
-    let target = dir.join(so);
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let status = std::process::Command::new(&cc)
-        .args(["-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-pthread", "-I"])
-        .arg(&src)
-        .arg("-o")
-        .arg(&target)
-        .arg(src.join(c))
-        .status()
-        .map_err(|e| format!("could not run the C compiler {cc:?} (set CC): {e}"))?;
-    if !status.success() {
-        return Err(format!("{cc} failed to build {c}: {status}"));
-    }
-    Ok(target)
+    stubs::build(dir, c, so).map_err(stubs::NoStubs::text)
 }
 
 fn one_rank() -> Result<(Device, Stream, Communicator), Failed> {

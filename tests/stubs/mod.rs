@@ -1,0 +1,48 @@
+//! Building the stub libraries (the C files beside this one) that the CPU tests load in place
+//! of libcudart and libnccl: one builder for every test binary that uses them.
+
+use std::path::{Path, PathBuf};
+
+/// Why a stub could not be built.
+pub enum NoStubs {
+    /// No C compiler to run.
+    NoCompiler(String),
+    /// Anything else.
+    Failed(String),
+}
+
+impl NoStubs {
+    /// What went wrong.
+    pub fn text(self) -> String {
+        match self {
+            NoStubs::NoCompiler(e) | NoStubs::Failed(e) => e,
+        }
+    }
+}
+
+/// Compiles `tests/stubs/{c}` into `dir/{so}` with the system's C compiler (`CC`, else `cc`).
+/// The sources are found where the crate was built or, for a staged binary run from the
+/// repository's root on another machine, under the working directory.
+pub fn build(dir: &Path, c: &str, so: &str) -> Result<PathBuf, NoStubs> {
+    let src = [Path::new(env!("CARGO_MANIFEST_DIR")), Path::new(".")]
+        .iter()
+        .map(|root| root.join("tests/stubs"))
+        .find(|d| d.join(c).is_file())
+        .ok_or_else(|| NoStubs::Failed(format!("tests/stubs/{c} not found")))?;
+    std::fs::create_dir_all(dir).map_err(|e| NoStubs::Failed(format!("{}: {e}", dir.display())))?;
+    let target = dir.join(so);
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = std::process::Command::new(&cc)
+        .args(["-O2", "-Wall", "-Wextra", "-shared", "-fPIC", "-pthread", "-I"])
+        .arg(&src)
+        .arg("-o")
+        .arg(&target)
+        .arg(src.join(c))
+        .arg("-ldl")
+        .status()
+        .map_err(|e| NoStubs::NoCompiler(format!("could not run the C compiler {cc:?} (set CC): {e}")))?;
+    if !status.success() {
+        return Err(NoStubs::Failed(format!("{cc} failed to build {c}: {status}")));
+    }
+    Ok(target)
+}
