@@ -31,7 +31,7 @@ use std::ffi::c_void;
 use std::time::Instant;
 
 use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
-use handoff::result::{self as raw, nccl as raw_nccl};
+use handoff::result::{cudart as raw, nccl as raw_nccl};
 use handoff::sys::cudart::{cudaGraphExec_t, cudaKernel_t, cudaMemcpyKind, cudaStream_t};
 use handoff::sys::nccl::{ncclComm_t, ncclUniqueId};
 use handoff::{

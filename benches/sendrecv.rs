@@ -464,7 +464,7 @@ fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::
     // The fourth way: raw, then one event recorded on the sending stream, as tracking records
     // one after a group.
     s.send_s.device().set_current()?;
-    let ev = handoff::result::event_create(false)?;
+    let ev = handoff::result::cudart::event_create(false)?;
     let mut ns = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
     for r in 0..4 * o.overhead_calls.div_ceil(BATCH) {
         let i = r % 4;
@@ -475,7 +475,7 @@ fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::
                 None => {
                     s.call(Way::Raw, b, 1)?;
                     // SAFETY: `ev` is live, of the sending stream's device.
-                    unsafe { handoff::result::event_record(ev, s.send_s.as_raw()) }?;
+                    unsafe { handoff::result::cudart::event_record(ev, s.send_s.as_raw()) }?;
                 }
             }
         }
@@ -484,7 +484,7 @@ fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::
         s.recv_s.synchronize()?;
     }
     // SAFETY: recorded work has completed (both streams synchronized); not used again.
-    unsafe { handoff::result::event_destroy(ev) }?;
+    unsafe { handoff::result::cudart::event_destroy(ev) }?;
     Ok(Some(ns.map(harness::median)))
 }
 
@@ -501,24 +501,24 @@ fn call_costs(s: &Setup) -> handoff::Result<()> {
     };
     // Events belong to the device current at creation: the receiving stream's.
     s.recv_s.device().set_current()?;
-    let ev = handoff::result::event_create(false)?;
+    let ev = handoff::result::cudart::event_create(false)?;
     let raw_s = s.recv_s.as_raw();
     // SAFETY: `ev` and the stream are live and of the same device.
-    let record = time(&mut || unsafe { handoff::result::event_record(ev, raw_s) })?;
+    let record = time(&mut || unsafe { handoff::result::cudart::event_record(ev, raw_s) })?;
     s.recv_s.synchronize()?;
     // SAFETY: as above.
-    let wait = time(&mut || unsafe { handoff::result::stream_wait_event(raw_s, ev) })?;
+    let wait = time(&mut || unsafe { handoff::result::cudart::stream_wait_event(raw_s, ev) })?;
     s.recv_s.synchronize()?;
-    let get_device = time(&mut || handoff::result::get_device().map(|_| ()))?;
+    let get_device = time(&mut || handoff::result::cudart::get_device().map(|_| ()))?;
     // SAFETY: the stream is live. (What every eager tracked operation asks of each stream.)
-    let is_capturing = time(&mut || unsafe { handoff::result::stream_is_capturing(raw_s) }.map(drop))?;
+    let is_capturing = time(&mut || unsafe { handoff::result::cudart::stream_is_capturing(raw_s) }.map(drop))?;
     let pair = time(&mut || {
         let v: Vec<u64> = Vec::with_capacity(4);
         std::hint::black_box(v);
         Ok(())
     })?;
     // SAFETY: the event is not used afterwards.
-    unsafe { handoff::result::event_destroy(ev) }?;
+    unsafe { handoff::result::cudart::event_destroy(ev) }?;
     // A tracked kernel launch (kernel A of the article) against a raw `cudaLaunchKernel` of the
     // same kernel on the same stream and buffer.
     let mut x = DeviceBuffer::<f32>::zeros(&s.recv_s, 4)?;
@@ -538,7 +538,7 @@ fn call_costs(s: &Setup) -> handoff::Result<()> {
     // its tracked uses completed (synchronized above); the arguments outlive each call; the
     // stream is synchronized before `x` is used again.
     let raw_launch = time(&mut || unsafe {
-        handoff::result::launch_kernel(kernel.as_raw(), (1, 1, 1), (256, 1, 1), 0, &mut args, raw_s)
+        handoff::result::cudart::launch_kernel(kernel.as_raw(), (1, 1, 1), (256, 1, 1), 0, &mut args, raw_s)
     })?;
     s.recv_s.synchronize()?;
     println!(

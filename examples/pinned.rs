@@ -37,15 +37,15 @@ fn run() -> handoff::Result<()> {
 /// Dropped host buffers leave their pinned memory cached for the next ones (freeing it would
 /// synchronise the device); once the GPU work is done, it is given back.
 fn release(dev: &Device, stream: &Stream) -> handoff::Result<()> {
-    let cached = handoff::host::cached_bytes(dev);
+    let cached = handoff::cuda::host::cached_bytes(dev);
     stream.synchronize()?;
-    let freed = handoff::host::release_cached(dev)?;
+    let freed = handoff::cuda::host::release_cached(dev)?;
     println!();
     println!("pinned memory cached by dropped buffers: {cached} bytes; released: {freed} bytes");
-    if freed < 256 << 20 || handoff::host::cached_bytes(dev) != 0 {
+    if freed < 256 << 20 || handoff::cuda::host::cached_bytes(dev) != 0 {
         return Err(handoff::Error::InvalidArgument(format!(
             "released {freed} bytes, {} still cached: the 256 MiB buffer should have been",
-            handoff::host::cached_bytes(dev)
+            handoff::cuda::host::cached_bytes(dev)
         )));
     }
     Ok(())

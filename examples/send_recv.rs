@@ -53,7 +53,7 @@ fn start() -> handoff::Result<()> {
 
 fn spawn_two() -> handoff::Result<()> {
     println!("send_recv: starting 2 processes (ranks 0 and 1, GPUs 0 and 1) on this machine");
-    let children = handoff::bootstrap::spawn_local(2, |_, _| {})?;
+    let children = handoff::nccl::bootstrap::spawn_local(2, |_, _| {})?;
     let mut failed = Vec::new();
     for (rank, mut c) in children.into_iter().enumerate() {
         match c.wait() {

@@ -27,12 +27,12 @@ use std::sync::Arc;
 use bytemuck::Pod;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 
-use crate::buffer::DeviceBuffer;
-use crate::device::Device;
+use crate::cuda::buffer::DeviceBuffer;
+use crate::cuda::device::Device;
 use crate::error::{Error, Result};
-use crate::result as cu;
-use crate::stream::Stream;
-use crate::tracking::Access;
+use crate::result::cudart as cu;
+use crate::cuda::stream::Stream;
+use crate::engine::tracking::Access;
 
 /// The special handles: the legacy default stream (`0`, and `cudaStreamLegacy`, `1`), which
 /// names the *current* device's, and the per-thread default stream (`2`), a different stream on
@@ -148,7 +148,7 @@ impl<T: Pod> DeviceBuffer<T> {
             ));
         }
         let len = slice.len();
-        crate::buffer::byte_len::<T>(len)?;
+        crate::cuda::buffer::byte_len::<T>(len)?;
         if len == 0 {
             drop(slice);
             return DeviceBuffer::zeros(stream, 0);

@@ -16,12 +16,12 @@ use std::time::Duration;
 use bytemuck::Pod;
 use once_cell::sync::OnceCell;
 
-use crate::buffer::DeviceBuffer;
+use crate::cuda::buffer::DeviceBuffer;
 use crate::error::{Error, Result};
-use crate::module::{Function, LaunchConfig, Module};
-use crate::stream::Stream;
+use crate::cuda::module::{Function, LaunchConfig, Module};
+use crate::cuda::stream::Stream;
 use crate::sys::ptx;
-use crate::view::{ViewMut, check_len};
+use crate::cuda::view::{ViewMut, check_len};
 
 /// The crate's kernels, launched through the same [`Module`] API as users' own.
 struct Builtins {
@@ -199,7 +199,7 @@ pub(crate) fn fill<T: Pod>(stream: &Stream, dst: ViewMut<'_, T>, value: T) -> Re
             std::any::type_name::<T>()
         )));
     }
-    stream.check_tracked(dst.tracked(), crate::tracking::Access::Write)?;
+    stream.check_tracked(dst.tracked(), crate::engine::tracking::Access::Write)?;
     if size == 0 || dst.is_empty() {
         // Nothing to write (a zero-sized type has no bytes, whatever the length): no kernel,
         // which for a zero-sized type of a huge length would loop all but forever.
@@ -249,7 +249,7 @@ mod tests {
     /// 2^64 - 1 iterations: now nothing is launched (no GPU here: a launch would fail).
     #[test]
     fn filling_nothing_launches_nothing() {
-        let device = crate::device::Device::for_tests();
+        let device = crate::cuda::device::Device::for_tests();
         let stream = Stream::for_tests(&device);
         let tracked = crate::engine::Tracked::new(&device);
         let mut unit = ();

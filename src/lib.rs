@@ -260,34 +260,23 @@
 
 #![warn(missing_docs)]
 
-pub mod bootstrap;
-pub mod buffer;
-pub mod device;
+pub mod cuda;
 mod engine;
 pub mod error;
-pub mod graph;
-pub mod host;
 #[cfg(feature = "cudarc")]
 pub mod interop;
 pub mod kernels;
-pub mod module;
 pub mod nccl;
 pub mod result;
-pub mod stream;
 pub mod sys;
-mod tracking;
-pub mod view;
 
-pub use bootstrap::Launch;
-pub use buffer::DeviceBuffer;
-pub use device::Device;
+pub use cuda::{
+    ByValue, DeviceBuffer, Device, Event, Function, Graph, HostBuffer, KernelArg, LaunchBuilder, LaunchConfig,
+    Module, RawUse, Stream, View, ViewMut,
+};
 pub use error::{Error, Result};
-pub use graph::Graph;
-pub use host::HostBuffer;
-pub use module::{ByValue, Function, KernelArg, LaunchBuilder, LaunchConfig, Module};
+pub use nccl::bootstrap::Launch;
 pub use nccl::{
     CommOptions, Communicator, CtaPolicy, Group, NcclType, ReduceOp, Registration, UniqueId, Window, group,
     pending_nccl_frees,
 };
-pub use stream::{Event, RawUse, Stream};
-pub use view::{View, ViewMut};

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use handoff::bootstrap::{
+use handoff::nccl::bootstrap::{
     BootstrapOptions, IdServer, MAX_CONNECTIONS, PROTOCOL_VERSION, Secret, fetch_unique_id, serve_unique_id,
 };
 use handoff::{Error, Launch, UniqueId};
@@ -397,7 +397,7 @@ fn another_program() -> Result<(), Failed> {
 /// `spawn_local` starts the ranks with the variables a launcher sets, and a fresh secret, which
 /// `Launch::from_env` then reads in each of them; they share an id through it.
 fn spawn_local_ranks() -> Result<(), Failed> {
-    let kids = handoff::bootstrap::spawn_local(3, |_, cmd| {
+    let kids = handoff::nccl::bootstrap::spawn_local(3, |_, cmd| {
         cmd.env(ROLE, "launch")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

@@ -310,7 +310,7 @@ fn in_two_processes() -> Result<(), Failed> {
 /// interface), with its peer-to-peer and shared-memory transports off; the unique id through
 /// the bootstrap. NCCL's own log must show the socket transport.
 fn over_the_network() -> Result<(), Failed> {
-    let kids = handoff::bootstrap::spawn_local(2, |_, cmd| {
+    let kids = handoff::nccl::bootstrap::spawn_local(2, |_, cmd| {
         cmd.env(common::CHILD_VAR, "collectives")
             .env("NCCL_P2P_DISABLE", "1")
             .env("NCCL_SHM_DISABLE", "1")

@@ -214,7 +214,7 @@ fn cache_reuses_memory_once_its_copies_are_done() -> Result<(), Failed> {
     let addr = host.as_raw_ptr() as usize;
     drop(host);
     // Other tests only add blocks of other classes meanwhile, or take them.
-    let cached = handoff::host::cached_bytes(&dev);
+    let cached = handoff::cuda::host::cached_bytes(&dev);
     if cached < 16 << 20 {
         return Err(format!("after dropping a 12 MiB buffer, {cached} bytes are cached").into());
     }

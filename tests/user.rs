@@ -165,7 +165,7 @@ fn raw_use_after_read() -> Result<(), Failed> {
     // SAFETY: the memset writes x's bytes only, on the stream it is given.
     unsafe {
         s2.raw_use(&[RawUse::write(&mut x)], |s| {
-            handoff::result::memset_async(p.cast(), 0xff, bytes, s)
+            handoff::result::cudart::memset_async(p.cast(), 0xff, bytes, s)
         })??;
     }
     assert_all_eq("reader's copy", &out.to_vec(&s1)?, |i| 3.0 + i as f32)?;
@@ -176,7 +176,7 @@ fn raw_use_after_read() -> Result<(), Failed> {
     // SAFETY: the copy reads x and writes out, within their lengths, on the stream it is given.
     unsafe {
         s1.raw_use(&[RawUse::read(&x), RawUse::write(&mut out)], |s| {
-            handoff::result::memcpy_async(
+            handoff::result::cudart::memcpy_async(
                 dst.cast(),
                 src.cast(),
                 bytes,

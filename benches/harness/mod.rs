@@ -126,7 +126,7 @@ impl Role {
 /// launcher would: rank `r` on GPU `local_ranks[r]`. Waits for both.
 pub fn spawn_procs(local_ranks: [usize; 2]) -> Result<(), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let kids = handoff::bootstrap::spawn_local(2, |rank, cmd| {
+    let kids = handoff::nccl::bootstrap::spawn_local(2, |rank, cmd| {
         cmd.args(&args).env("LOCAL_RANK", local_ranks[rank].to_string());
     })
     .map_err(|e| e.to_string())?;

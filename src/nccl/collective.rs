@@ -10,9 +10,9 @@ use crate::nccl::communicator::{Communicator, usable};
 use crate::nccl::group::{CollOp, Group, group};
 use crate::nccl::types::NcclType;
 use crate::nccl::verify::wire::{CollDesc, CollKind, NONE, PRE_MUL_SUM};
-use crate::stream::Stream;
-use crate::tracking::Access;
-use crate::view::{View, ViewMut};
+use crate::cuda::stream::Stream;
+use crate::engine::tracking::Access;
+use crate::cuda::view::{View, ViewMut};
 
 /// How a reduction combines the ranks' elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,8 +8,8 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::buffer::DeviceBuffer;
-use crate::device::{Device, Origin, PooledEvent};
+use crate::cuda::buffer::DeviceBuffer;
+use crate::cuda::device::{Device, Origin, PooledEvent};
 use crate::engine::{self, Before, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::group::group;
@@ -21,10 +21,10 @@ use crate::nccl::verify::mailbox::{BROKEN, Region};
 use crate::nccl::verify::setup::settle;
 use crate::nccl::watchdog;
 use crate::result::nccl as nc;
-use crate::stream::Stream;
+use crate::cuda::stream::Stream;
 use crate::sys::nccl::{ncclComm_t, ncclResult_t};
-use crate::tracking::Access;
-use crate::view::{View, ViewMut};
+use crate::engine::tracking::Access;
+use crate::cuda::view::{View, ViewMut};
 
 /// One rank of an NCCL communicator, bound to one GPU.
 ///
@@ -179,7 +179,7 @@ impl State {
         // Work still queued is cut short: host reads that wait for it report why.
         for p in self.pending.drain(..) {
             // SAFETY: the event is kept alive by the Arc.
-            if cut == Cut::All || unsafe { crate::result::event_query(p.event.raw) } != Ok(true) {
+            if cut == Cut::All || unsafe { crate::result::cudart::event_query(p.event.raw) } != Ok(true) {
                 p.event.poison(&reason);
             }
         }
@@ -214,7 +214,7 @@ impl State {
 fn abort(raw: Raw, ordinal: i32) {
     // Best effort: NCCL sets the communicator's device itself, and the abort must happen
     // whatever (it also ends a split still writing a child's handle).
-    let _ = crate::result::set_device(ordinal);
+    let _ = crate::result::cudart::set_device(ordinal);
     // SAFETY: `raw` was live and is not used again (the state's handle is now null).
     let _ = unsafe { nc::comm_abort(raw.0) };
 }
@@ -694,7 +694,7 @@ impl Communicator {
             let mut idle = true;
             for e in events {
                 // SAFETY: the event is kept alive by the Arc.
-                idle &= unsafe { crate::result::event_query(e.raw) }?;
+                idle &= unsafe { crate::result::cudart::event_query(e.raw) }?;
             }
             if idle {
                 return Ok(());

@@ -15,10 +15,10 @@ use crate::nccl::verify::model::{self, Call};
 use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, P2P, REGISTERED};
 use crate::nccl::verify::{self, CollOps, Failure, PairOps};
 use crate::result::nccl as nc;
-use crate::stream::Stream;
+use crate::cuda::stream::Stream;
 use crate::sys::nccl::{ncclDataType_t, ncclResult_t};
-use crate::tracking::Access;
-use crate::view::{View, ViewMut};
+use crate::engine::tracking::Access;
+use crate::cuda::view::{View, ViewMut};
 
 /// One send or receive, checked and waiting for [`Group`] to submit it.
 struct Op<'a> {

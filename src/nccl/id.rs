@@ -12,7 +12,7 @@ use crate::sys::nccl::ncclUniqueId;
 /// 128 opaque bytes: NCCL encodes in them the address of a bootstrap socket that
 /// [`UniqueId::new`] opens in the calling process, which must therefore stay alive until all
 /// ranks have joined. Move it between processes as bytes ([`UniqueId::as_bytes`]) or as text
-/// (`Display` / `FromStr`, 256 hex digits), or let [`crate::bootstrap`] do it.
+/// (`Display` / `FromStr`, 256 hex digits), or let [`crate::nccl::bootstrap`] do it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct UniqueId {
     bytes: [u8; UniqueId::BYTES],

@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use once_cell::sync::OnceCell;
 
-use crate::device::{Device, PooledEvent};
+use crate::cuda::device::{Device, PooledEvent};
 use crate::error::Result;
-use crate::result as cu;
+use crate::result::cudart as cu;
 use crate::result::nccl as nc;
 
 /// Allocations waiting for their uses to complete, each with the events still pending.
@@ -148,7 +148,7 @@ pub(crate) unsafe fn free_after(ptr: *mut std::ffi::c_void, pending: Vec<Arc<Poo
         }
         None => {
             // On an error the memory leaks instead.
-            if crate::device::wait_all(&pending).is_err() {
+            if crate::cuda::device::wait_all(&pending).is_err() {
                 return;
             }
             // SAFETY: the caller's guarantees, and every pending use has completed.
@@ -165,7 +165,7 @@ pub(crate) unsafe fn free_after(ptr: *mut std::ffi::c_void, pending: Vec<Arc<Poo
 /// # Safety
 /// As [`free_after`].
 pub(crate) unsafe fn free_now(ptr: *mut std::ffi::c_void, pending: &[Arc<PooledEvent>]) -> Result<()> {
-    crate::device::wait_all(pending)?;
+    crate::cuda::device::wait_all(pending)?;
     // SAFETY: the caller's guarantees, and every pending use has completed.
     unsafe { nc::mem_free(ptr) }
 }

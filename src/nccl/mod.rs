@@ -24,6 +24,7 @@
 //! may move to another thread) but not `Sync`, and a [`Group`], which holds communicators, is
 //! neither: NCCL's group state belongs to the thread that opened it.
 
+pub mod bootstrap;
 mod collective;
 mod communicator;
 mod group;

@@ -14,7 +14,7 @@
 //!   written by kernels, copies, sends and collectives, all tracked; there is no `DerefMut`, since
 //!   `mem::swap` through one would move another buffer under the registration;
 //! - a buffer cannot be registered twice at once (the borrow is exclusive). One forgotten with
-//!   `mem::forget` leaves a mark on the buffer ([`crate::buffer::Registrations`]): the buffer then
+//!   `mem::forget` leaves a mark on the buffer ([`crate::cuda::buffer::Registrations`]): the buffer then
 //!   refuses a second window, and when dropped leaks its memory rather than free it under NCCL;
 //! - dropping it first waits, on the host, for every pending use of the buffer (tracking: on
 //!   any stream, by any operation), then deregisters with the call that matches
@@ -41,12 +41,12 @@ use std::time::Instant;
 
 use bytemuck::Pod;
 
-use crate::buffer::{Alloc, DeviceBuffer};
+use crate::cuda::buffer::{Alloc, DeviceBuffer};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, usable};
 use crate::result::nccl as nc;
 use crate::sys::nccl::{NCCL_WIN_COLL_SYMMETRIC, NCCL_WIN_REQUIRED_ALIGNMENT, ncclWindow_t};
-use crate::view::{View, ViewMut};
+use crate::cuda::view::{View, ViewMut};
 
 /// A buffer registered with a communicator (`ncclCommRegister`), so that NCCL's operations on
 /// it may skip staging copies (zero-copy over NVLink and the network, fewer SMs). Made by

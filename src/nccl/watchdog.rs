@@ -61,7 +61,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use once_cell::sync::OnceCell;
 
-use crate::device::PooledEvent;
+use crate::cuda::device::PooledEvent;
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Cut, Pending, Shared, State};
 use crate::result::nccl as nc;
@@ -222,7 +222,7 @@ struct Cuda;
 impl Gpu for Cuda {
     fn complete(&self, e: &PooledEvent) -> bool {
         // SAFETY: the event is kept alive by the caller's Arc.
-        (unsafe { crate::result::event_query(e.raw) }) == Ok(true)
+        (unsafe { crate::result::cudart::event_query(e.raw) }) == Ok(true)
     }
 
     fn comm_error(&self, raw: ncclComm_t) -> Option<String> {
@@ -413,7 +413,7 @@ fn peer_busy(state: &State, wall: u64, waited: Duration, timeout: Duration) -> b
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::Device;
+    use crate::cuda::device::Device;
     use crate::nccl::verify::mailbox::Region;
     use std::cell::{Cell, RefCell};
 

@@ -126,7 +126,7 @@ pub fn run_child_role(roles: &[(&str, TestFn)]) {
 
 /// Starts two ranks of this test binary on this machine, playing `role`.
 pub fn spawn_ranks(role: &str, piped_stdout: bool) -> Result<Vec<std::process::Child>, Failed> {
-    Ok(handoff::bootstrap::spawn_local(2, |_, cmd| {
+    Ok(handoff::nccl::bootstrap::spawn_local(2, |_, cmd| {
         cmd.env(CHILD_VAR, role);
         if piped_stdout {
             cmd.stdout(std::process::Stdio::piped());

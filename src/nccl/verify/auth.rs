@@ -39,7 +39,7 @@ const OK: u32 = 0;
 const NOT_EXPECTED: u32 = 1;
 const SECRET_DIFFERS: u32 = 2;
 
-/// The job's shared secret, as the bootstrap reads it ([`crate::bootstrap::Secret::from_env`]:
+/// The job's shared secret, as the bootstrap reads it ([`crate::nccl::bootstrap::Secret::from_env`]:
 /// `HANDOFF_SECRET`, or the owner-only file `HANDOFF_SECRET_FILE` names), so that one setting
 /// keys both.
 ///
@@ -47,7 +47,7 @@ const SECRET_DIFFERS: u32 = 2;
 /// As `Secret::from_env`: both variables set, an unreadable or too open file, a secret too
 /// short.
 pub(crate) fn job_secret() -> Result<Option<Vec<u8>>, String> {
-    crate::bootstrap::Secret::from_env()
+    crate::nccl::bootstrap::Secret::from_env()
         .map(|s| s.map(|s| s.bytes().to_vec()))
         .map_err(|e| e.to_string())
 }
@@ -58,7 +58,7 @@ pub(crate) fn job_secret() -> Result<Option<Vec<u8>>, String> {
 /// `/dev/urandom` cannot be read.
 pub(crate) fn random<const N: usize>() -> Result<[u8; N], String> {
     let mut b = [0u8; N];
-    crate::bootstrap::secret::random(&mut b).map_err(|e| format!("reading /dev/urandom: {e}"))?;
+    crate::nccl::bootstrap::secret::random(&mut b).map_err(|e| format!("reading /dev/urandom: {e}"))?;
     Ok(b)
 }
 

@@ -51,14 +51,14 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use bytemuck::Pod;
 
-use crate::buffer::{DeviceBuffer, byte_len};
-use crate::device::{Device, PooledEvent, wait_all};
+use crate::cuda::buffer::{DeviceBuffer, byte_len};
+use crate::cuda::device::{Device, PooledEvent, wait_all};
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
-use crate::result as cu;
-use crate::stream::{Stream, check_poison};
-use crate::tracking::{Access, StreamId};
-use crate::view::{CopyPath, View, ViewMut, check_len, tracked_copy};
+use crate::result::cudart as cu;
+use crate::cuda::stream::{Stream, check_poison};
+use crate::engine::tracking::{Access, StreamId};
+use crate::cuda::view::{CopyPath, View, ViewMut, check_len, tracked_copy};
 
 mod pool;
 use pool::{Block, Pool};
@@ -610,13 +610,13 @@ mod tests {
         // before a host access by a stream.
         assert_eq!(host(), host());
         assert_ne!(StreamId::fresh(), host());
-        let mut t = crate::tracking::UseTracker::new();
+        let mut t = crate::engine::tracking::UseTracker::new();
         let s = StreamId::fresh();
         t.record(s, Access::Read, "r");
         assert!(t.waits(host(), Access::Read).next().is_none());
         t.record(s, Access::Write, "w");
         t.record(StreamId::fresh(), Access::Read, "r2");
-        if !crate::tracking::BYPASSED {
+        if !crate::engine::tracking::BYPASSED {
             assert_eq!(t.waits(host(), Access::Read).collect::<Vec<_>>(), [&"w"]);
             assert_eq!(t.waits(host(), Access::Write).count(), 2);
         }

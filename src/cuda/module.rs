@@ -41,14 +41,14 @@ use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 
-use crate::buffer::DeviceBuffer;
+use crate::cuda::buffer::DeviceBuffer;
 use crate::engine::{Few, Tracked};
 use crate::error::{Error, Result};
-use crate::result as cu;
-use crate::stream::Stream;
+use crate::result::cudart as cu;
+use crate::cuda::stream::Stream;
 use crate::sys::cudart::{cudaKernel_t, cudaLibrary_t};
-use crate::tracking::Access;
-use crate::view::{View, ViewMut};
+use crate::engine::tracking::Access;
+use crate::cuda::view::{View, ViewMut};
 
 /// A loaded module: PTX (JIT-compiled by the driver for each device at its first use there),
 /// cubin or fatbin. Loaded once per process for all devices (`cudaLibraryLoadData`), and never
@@ -680,7 +680,7 @@ mod tests {
     /// its value, in order: on the plain structures, no GPU needed.
     #[test]
     fn argument_types_declare_their_access() {
-        let device = crate::device::Device::for_tests();
+        let device = crate::cuda::device::Device::for_tests();
         let stream = Stream::for_tests(&device);
         let function = Function {
             kernel: std::ptr::null_mut(),

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use once_cell::sync::OnceCell;
 
 use crate::error::{Error, Result};
-use crate::result as cu;
+use crate::result::cudart as cu;
 use crate::sys::cudart::{cudaError_t, cudaEvent_t, cudaStream_t};
 
 /// One CUDA device, as seen by this process (after `CUDA_VISIBLE_DEVICES`).
@@ -111,7 +111,7 @@ pub(crate) trait Origin: Send + Sync {
 pub(crate) fn wait_all<'e>(events: impl IntoIterator<Item = &'e Arc<PooledEvent>>) -> Result<()> {
     for e in events {
         // SAFETY: the event is kept alive by the Arc.
-        unsafe { crate::result::event_synchronize(e.raw) }?;
+        unsafe { crate::result::cudart::event_synchronize(e.raw) }?;
     }
     Ok(())
 }
@@ -272,7 +272,7 @@ impl Device {
     }
 
     /// Parks a stream for reuse. Work still queued on it keeps running; a later user of the
-    /// handle gets a fresh [`crate::tracking::StreamId`], so tracking treats it as another
+    /// handle gets a fresh [`crate::engine::tracking::StreamId`], so tracking treats it as another
     /// stream and waits for that work through events where it must.
     pub(crate) fn park_stream(&self, s: cudaStream_t) {
         self.inner

@@ -4,12 +4,12 @@ use std::marker::PhantomData;
 
 use bytemuck::Pod;
 
-use crate::device::Device;
+use crate::cuda::device::Device;
 use crate::engine::Tracked;
 use crate::error::{Error, Result};
-use crate::result as cu;
-use crate::stream::Stream;
-use crate::tracking::Access;
+use crate::result::cudart as cu;
+use crate::cuda::stream::Stream;
+use crate::engine::tracking::Access;
 
 /// `len` elements of `T` in one device's memory.
 ///
@@ -250,7 +250,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// CUDA errors.
     pub fn synchronize(&self) -> Result<()> {
         let events: Vec<_> = self.tracked.lock().uses().map(|u| u.event.clone()).collect();
-        crate::device::wait_all(&events)
+        crate::cuda::device::wait_all(&events)
     }
 
     pub(crate) fn tracked(&self) -> &Tracked {
@@ -285,7 +285,7 @@ impl<T: Pod> DeviceBuffer<T> {
     #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
     pub(crate) fn into_raw_parts(
         mut self,
-        mut wait: impl FnMut(&crate::device::PooledEvent) -> Result<()>,
+        mut wait: impl FnMut(&crate::cuda::device::PooledEvent) -> Result<()>,
     ) -> Result<(*mut T, usize)> {
         if self.alloc != Alloc::Pool {
             return Err(Error::InvalidArgument(
@@ -301,7 +301,7 @@ impl<T: Pod> DeviceBuffer<T> {
             // Bypassed tracking (a test build) leaves out the waits, as everywhere else.
             tracker
                 .uses()
-                .filter(|_| !crate::tracking::BYPASSED)
+                .filter(|_| !crate::engine::tracking::BYPASSED)
                 .try_for_each(|u| wait(&u.event))?;
             // Given away: a graph that captured a use of the buffer can no longer queue one.
             tracker.retire();

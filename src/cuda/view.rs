@@ -18,14 +18,14 @@ use std::sync::Arc;
 
 use bytemuck::Pod;
 
-use crate::buffer::DeviceBuffer;
-use crate::device::{Device, PooledEvent};
+use crate::cuda::buffer::DeviceBuffer;
+use crate::cuda::device::{Device, PooledEvent};
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
-use crate::result as cu;
-use crate::stream::Stream;
+use crate::result::cudart as cu;
+use crate::cuda::stream::Stream;
 use crate::sys::cudart::cudaMemcpyKind;
-use crate::tracking::Access;
+use crate::engine::tracking::Access;
 
 /// Part of a [`DeviceBuffer`], to be read. `Copy`, like `&[T]`.
 pub struct View<'a, T: Pod> {
@@ -194,7 +194,7 @@ impl<'a, T: Pod> View<'a, T> {
             return Err(e);
         }
         // The copy has completed; its source may have been a receive that an abort cut short.
-        crate::stream::check_poison(written_by.as_deref())?;
+        crate::cuda::stream::check_poison(written_by.as_deref())?;
         // SAFETY: the copy above wrote all `len` elements, and any bit pattern is a valid `T`.
         unsafe { out.set_len(self.len) };
         Ok(out)

@@ -8,7 +8,7 @@
 //!    through the two halves of `split_at_mut`; each waits for the other's earlier writes, and
 //!    neither's record is lost.)
 //! 3. Each stream waits, on the GPU, for the earlier uses its new use conflicts with
-//!    ([`crate::tracking`]); the host does not block.
+//!    ([`crate::engine::tracking`]); the host does not block.
 //! 4. `submit` queues the work (a launch; or an NCCL group, which queues nothing before
 //!    `ncclGroupEnd`, so the events below are recorded only after the work is really queued).
 //! 5. One event is recorded after the work on each *record stream* and stored as the latest use
@@ -29,13 +29,15 @@
 //! orders it after the capture's conflicting uses, through events recorded into the capture.
 //! On a stream someone else captures, nothing is queued ([`Error::Capture`]).
 
+pub(crate) mod tracking;
+
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::device::{Device, PooledEvent};
+use crate::cuda::device::{Device, PooledEvent};
 use crate::error::{Error, Result};
-use crate::result as cu;
-use crate::stream::Stream;
-use crate::tracking::{Access, CapturedUses, Held, UseTracker, record_and_store};
+use crate::result::cudart as cu;
+use crate::cuda::stream::Stream;
+use tracking::{Access, CapturedUses, Held, UseTracker, record_and_store};
 
 /// The pending uses of one piece of memory, and the device it lives on; shared (cheaply cloned)
 /// between the buffer and any graph that captured a use of it.
@@ -142,7 +144,7 @@ impl TrackedInner {
 }
 
 /// A graph capture under way on a stream (see [`crate::Graph`]): held in the stream's
-/// [`crate::tracking::RecordOrder`], so the engine sees it under the lock it already takes;
+/// [`tracking::RecordOrder`], so the engine sees it under the lock it already takes;
 /// the same capture's state is held by every stream of the capture (the one it began on, and
 /// those joined to it by waiting for an [`crate::Event`] recorded in it), all sharing one
 /// [`Captured`]. While it is there, operations on the stream are recorded into the graph, not
@@ -187,7 +189,7 @@ pub(crate) struct Captured {
 pub(crate) struct Fork {
     pub(crate) raw: crate::sys::cudart::cudaStream_t,
     /// Its order, whose capture state is cleared when the capture ends.
-    pub(crate) order: Arc<crate::tracking::RecordOrder<StreamState>>,
+    pub(crate) order: Arc<tracking::RecordOrder<StreamState>>,
     /// Whether its `Stream` was dropped during the capture: its handle is then parked only
     /// once the capture has ended (until then CUDA still captures it, and a new `Stream` over
     /// it would queue untracked work into the graph).

@@ -4,13 +4,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytemuck::Pod;
 
-use crate::device::{Device, PooledEvent};
+use crate::cuda::device::{Device, PooledEvent};
 use crate::engine::{self, CaptureState, StreamState, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
-use crate::result as cu;
+use crate::result::cudart as cu;
 use crate::sys::cudart::{cudaEvent_t, cudaStream_t};
-use crate::tracking::{Access, RecordOrder, StreamId, UseTracker, record_and_store};
-use crate::view::{View, ViewMut};
+use crate::engine::tracking::{Access, RecordOrder, StreamId, UseTracker, record_and_store};
+use crate::cuda::view::{View, ViewMut};
 
 /// A CUDA stream: a queue of GPU work that runs in order.
 ///
@@ -525,7 +525,7 @@ impl Stream {
     /// // SAFETY: the copy reads x and writes y within their lengths, on this stream only.
     /// unsafe {
     ///     stream.raw_use(&[RawUse::read(&x), RawUse::write(&mut y)], |s| {
-    ///         handoff::result::memcpy_async(dst.cast(), src.cast(), bytes,
+    ///         handoff::result::cudart::memcpy_async(dst.cast(), src.cast(), bytes,
     ///             handoff::sys::cudart::cudaMemcpyKind::cudaMemcpyDeviceToDevice, s)
     ///     })??;
     /// }

@@ -87,14 +87,14 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::device::{Device, Origin, PooledEvent};
+use crate::cuda::device::{Device, Origin, PooledEvent};
 use crate::engine::{self, CaptureState, Captured, Keep, Replay, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::nccl::Communicator;
-use crate::result as cu;
-use crate::stream::Stream;
+use crate::result::cudart as cu;
+use crate::cuda::stream::Stream;
 use crate::sys::cudart::cudaGraphExec_t;
-use crate::tracking::{Access, StreamId};
+use crate::engine::tracking::{Access, StreamId};
 
 /// Work captured on a stream once and replayed with one launch: the host cost of a replay is
 /// one `cudaGraphLaunch` and handoff's tracking, whatever the number of operations inside.
