@@ -151,7 +151,7 @@ impl<T: Pod> DeviceBuffer<T> {
         crate::buffer::byte_len::<T>(len)?;
         if len == 0 {
             drop(slice);
-            return DeviceBuffer::zeros(stream, 0);
+            return DeviceBuffer::zeros(0, stream);
         }
         let ctx = slice.context().clone();
         // Under the stream's order, outside any capture: cudarc queues the waits for the slice's

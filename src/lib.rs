@@ -15,14 +15,14 @@
 //! // Rank 0 makes the unique id and serves it over TCP; rank 1 fetches it.
 //! let comm = launch.communicator(CommOptions::default())?;
 //! let stream = Stream::new(comm.device())?;
-//! let mut x = DeviceBuffer::<f32>::zeros(&stream, 4)?;
+//! let mut x = DeviceBuffer::<f32>::zeros(4, &stream)?;
 //! if comm.rank() == 0 {
-//!     kernels::produce(&stream, &mut x, 0)?; // A: x = [1, 2, 3, 4]
+//!     kernels::produce(&mut x, 0, &stream)?; // A: x = [1, 2, 3, 4]
 //!     comm.send(&x, 1, &stream)?; //           waits for A on the GPU
 //! } else {
-//!     let mut y = DeviceBuffer::<f32>::zeros(&stream, 4)?;
+//!     let mut y = DeviceBuffer::<f32>::zeros(4, &stream)?;
 //!     comm.recv(&mut x, 0, &stream)?;
-//!     kernels::twice(&stream, &x, &mut y)?; // B: waits for the receive
+//!     kernels::twice(&x, &mut y, &stream)?; // B: waits for the receive
 //!     assert_eq!(y.to_vec(&stream)?, [2.0, 4.0, 6.0, 8.0]); // waits for B
 //! }
 //! stream.synchronize()?;

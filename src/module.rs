@@ -13,7 +13,7 @@
 //! let module = Module::from_ptx(ptx)?;
 //! let add_one = module.function("add_one")?;
 //! let stream = Stream::new(&Device::new(0)?)?;
-//! let mut x = DeviceBuffer::<f32>::zeros(&stream, 1024)?;
+//! let mut x = DeviceBuffer::<f32>::zeros(1024, &stream)?;
 //! let n = x.len() as u64;
 //! // SAFETY: add_one(float* x, u64 n) writes x[0..n] and nothing else, and ends.
 //! unsafe {

@@ -519,8 +519,8 @@ impl Stream {
     /// # fn main() -> handoff::Result<()> {
     /// use handoff::{Device, DeviceBuffer, RawUse, Stream};
     /// let stream = Stream::new(&Device::new(0)?)?;
-    /// let x = DeviceBuffer::<f32>::zeros(&stream, 256)?;
-    /// let mut y = DeviceBuffer::<f32>::zeros(&stream, 256)?;
+    /// let x = DeviceBuffer::<f32>::zeros(256, &stream)?;
+    /// let mut y = DeviceBuffer::<f32>::zeros(256, &stream)?;
     /// let (src, dst, bytes) = (x.as_raw_ptr(), y.as_raw_mut_ptr(), y.byte_len());
     /// // SAFETY: the copy reads x and writes y within their lengths, on this stream only.
     /// unsafe {

@@ -338,7 +338,7 @@ impl<'a, T: Pod> ViewMut<'a, T> {
     /// [`Error::InvalidArgument`] if the lengths differ or `stream` is on another device;
     /// [`Error::Capture`] while a graph is being captured on `stream` (nothing is copied); CUDA
     /// errors.
-    pub fn copy_from_slice(&mut self, stream: &Stream, data: &[T]) -> Result<()> {
+    pub fn copy_from_slice(&mut self, data: &[T], stream: &Stream) -> Result<()> {
         check_len(self.len, data.len(), "the host slice")?;
         let (dst, bytes) = (self.ptr.cast::<c_void>(), self.byte_len());
         // A graph would read `data` at every replay, long after this borrow ends.
@@ -402,7 +402,7 @@ impl<'a, T: Pod> ViewMut<'a, T> {
     /// [`Error::InvalidArgument`] for an element over 16 bytes, or `stream` on another device;
     /// CUDA errors.
     pub fn fill(&mut self, value: T, stream: &Stream) -> Result<()> {
-        crate::kernels::fill(stream, self.reborrow(), value)
+        crate::kernels::fill(self.reborrow(), value, stream)
     }
 }
 

@@ -181,8 +181,8 @@ pub struct Group<'a> {
 /// let gpu = Device::new(0)?;
 /// let comm = &Communicator::init_all(&[gpu.clone()])?[0];
 /// let stream = Stream::new(&gpu)?;
-/// let x = DeviceBuffer::from_slice(&stream, &[1.0f32, 2.0, 3.0, 4.0])?;
-/// let mut y = DeviceBuffer::<f32>::zeros(&stream, 4)?;
+/// let x = DeviceBuffer::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &stream)?;
+/// let mut y = DeviceBuffer::<f32>::zeros(4, &stream)?;
 /// group(|g| {
 ///     g.send(comm, &x, 0, &stream)?; // to itself: rank 0 of 1
 ///     g.recv(comm, &mut y, 0, &stream)
