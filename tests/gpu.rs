@@ -23,6 +23,11 @@ fn main() {
     common::run(vec![
         g.trial("a_then_b_on_one_stream_exact_values", 1, a_then_b_on_one_stream),
         g.trial(
+            "the_articles_kernels_on_views_of_one_buffer",
+            1,
+            articles_kernels_on_views,
+        ),
+        g.trial(
             "hazard_a_write_after_long_read_on_another_stream",
             1,
             hazard_write_after_long_read,
@@ -107,6 +112,55 @@ fn a_then_b_on_one_stream() -> Result<(), Failed> {
         })?;
     }
     Ok(())
+}
+
+/// The article's kernels on the two halves of one buffer (`split_at_mut`) and on a slice of
+/// another: each writes its own elements, at its view's offset, and no others.
+fn articles_kernels_on_views() -> Result<(), Failed> {
+    let (_dev, s, _) = common::gpu0_two_streams()?;
+    // Halves of an odd length, so that an offset taken in bytes or blocks instead of elements
+    // shows.
+    let n = 1003;
+    let mut whole = DeviceBuffer::<f32>::zeros(2 * n, &s)?;
+    {
+        let (mut a, mut b) = whole.split_at_mut(n)?;
+        kernels::produce(&mut b, 5, &s)?;
+        kernels::produce(&mut a, 3, &s)?;
+    }
+    assert_all_eq("both halves produced", &whole.to_vec(&s)?, |i| {
+        if i < n {
+            produced_value(i, 3)
+        } else {
+            produced_value(i - n, 5)
+        }
+    })?;
+    {
+        let (a, mut b) = whole.split_at_mut(n)?;
+        kernels::twice(&a, &mut b, &s)?;
+    }
+    assert_all_eq("b = 2a", &whole.to_vec(&s)?, |i| {
+        if i < n {
+            produced_value(i, 3)
+        } else {
+            2.0 * produced_value(i - n, 3)
+        }
+    })?;
+    {
+        let (mut a, b) = whole.split_at_mut(n)?;
+        kernels::delayed_copy(&b, &mut a, Duration::from_millis(1), &s)?;
+    }
+    assert_all_eq("a = b", &whole.to_vec(&s)?, |i| 2.0 * produced_value(i % n, 3))?;
+    // A slice that starts inside a buffer, read from another buffer's view.
+    let x = produced(&s, n, 9)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n + 7, &s)?;
+    kernels::twice(x.view(), y.slice_mut(7..)?, &s)?;
+    assert_all_eq("y[7..] = 2x", &y.to_vec(&s)?, |i| {
+        if i < 7 {
+            0.0
+        } else {
+            2.0 * produced_value(i - 7, 9)
+        }
+    })
 }
 
 /// (a) A long read on stream 1, then a write on stream 2: the reader must see the old values.
