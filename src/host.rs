@@ -4,8 +4,8 @@
 //! A copy between the GPU and pageable memory ([`View::to_vec`], [`ViewMut::copy_from_slice`])
 //! must block the host until it is done, since the memory may be paged out or freed as soon as
 //! the call returns. Pinned memory stays put, so a copy to or from it can be queued on a stream
-//! and return at once: [`HostBuffer::copy_from_device`] and [`ViewMut::copy_from_host`]. The GPU's DMA
-//! engines also reach it directly, which is what makes such copies fast.
+//! and return at once: [`HostBuffer::copy_from_device`] and [`ViewMut::copy_from_host`]. The
+//! GPU's DMA engines also reach it directly, which is what makes such copies fast.
 //!
 //! # The rules
 //! A host buffer is tracked exactly like a [`DeviceBuffer`], by the same engine: a copy into it

@@ -19,7 +19,8 @@
 //! ```no_run
 //! # fn main() -> handoff::Result<()> {
 //! use std::time::Duration;
-//! use handoff::{Communicator, Device, DeviceBuffer, HostBuffer, ReduceOp, Stream, group, kernels};
+//! use handoff::{Communicator, Device, DeviceBuffer, HostBuffer, ReduceOp, Stream};
+//! use handoff::{group, kernels};
 //! let dev = Device::new(0)?;
 //! let s = Stream::new(&dev)?;
 //! let comm = Communicator::init_all(std::slice::from_ref(&dev))?.remove(0);
