@@ -177,14 +177,14 @@ fn main() -> handoff::Result<()> {
             let devs = [Device::new(0)?];
             let v = Communicator::init_all(&devs)?;
             // SAFETY: this benchmark posts the same collectives on every rank (one).
-            let u = Communicator::init_all_with(&devs, unsafe { CommOptions::default().unverified() })?;
+            let u = Communicator::init_all_with(unsafe { CommOptions::default().unverified() }, &devs)?;
             (v, u, "one rank on GPU 0 (NCCL copies locally)")
         }
         None => {
             let devs = [Device::new(0)?, Device::new(1)?];
             let v = Communicator::init_all(&devs)?;
             // SAFETY: this benchmark posts the same collectives on both ranks, in one group.
-            let u = Communicator::init_all_with(&devs, unsafe { CommOptions::default().unverified() })?;
+            let u = Communicator::init_all_with(unsafe { CommOptions::default().unverified() }, &devs)?;
             (v, u, "two ranks in one process, GPU 0 and GPU 1")
         }
     };
@@ -195,8 +195,8 @@ fn main() -> handoff::Result<()> {
         .iter()
         .map(|c| {
             let stream = Stream::new(c.device())?;
-            let input = DeviceBuffer::from_slice(&stream, &vec![1.0f32; world * max_count])?;
-            let output = DeviceBuffer::zeros(&stream, world * max_count)?;
+            let input = DeviceBuffer::from_slice(&vec![1.0f32; world * max_count], &stream)?;
+            let output = DeviceBuffer::zeros(world * max_count, &stream)?;
             Ok(Rank {
                 stream,
                 input,

@@ -472,11 +472,11 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<(Setup, RawCtx)> {
             }
             let role = Role::of_rank(rank);
             // The raw communicators' ids: made by rank 0, sent to rank 1 over handoff's.
-            let mut ids = DeviceBuffer::<u8>::zeros(&s, 2 * UniqueId::BYTES)?;
+            let mut ids = DeviceBuffer::<u8>::zeros(2 * UniqueId::BYTES, &s)?;
             if rank == 0 {
                 let mut bytes = id_bytes(&raw_nccl::get_unique_id()?);
                 bytes.extend(id_bytes(&raw_nccl::get_unique_id()?));
-                ids.copy_from_slice(&s, &bytes)?;
+                ids.copy_from_slice(&bytes, &s)?;
                 comm.send(&ids, 1, &s)?;
             } else {
                 comm.recv(&mut ids, 0, &s)?;
@@ -504,7 +504,7 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<(Setup, RawCtx)> {
         }
         None => {
             let dev = Device::new(o.devices[0])?;
-            let comm = Communicator::with_options(&dev, 1, 0, &UniqueId::new()?, o.comm_options())?;
+            let comm = Communicator::with_options(1, 0, &UniqueId::new()?, o.comm_options(), &dev)?;
             let s = Stream::new(&dev)?;
             let raw = RawCtx::new(
                 &dev,
@@ -549,7 +549,7 @@ fn handoff_round(
 ) -> handoff::Result<()> {
     let peer = peer(role);
     if let Some(x) = b.x.as_mut() {
-        kernels::produce(s, x, round)?;
+        kernels::produce(x, round, s)?;
     }
     match role {
         Role::Both => {
@@ -563,7 +563,7 @@ fn handoff_round(
         Role::Receiver => comm.recv(b.r.as_mut().expect("r"), peer, s)?,
     }
     if let (Some(r), Some(y)) = (b.r.as_ref(), b.y.as_mut()) {
-        kernels::twice(s, r, y)?;
+        kernels::twice(r, y, s)?;
     }
     Ok(())
 }
@@ -705,14 +705,14 @@ fn run(o: &Opts, launch: Option<Launch>) -> handoff::Result<()> {
     for bytes in sizes {
         let n = bytes / size_of::<f32>();
         let mut b = Bufs {
-            x: role.sends().then(|| DeviceBuffer::zeros(&st.s, n)).transpose()?,
+            x: role.sends().then(|| DeviceBuffer::zeros(n, &st.s)).transpose()?,
             r: role
                 .receives()
-                .then(|| DeviceBuffer::zeros(&st.s, n))
+                .then(|| DeviceBuffer::zeros(n, &st.s))
                 .transpose()?,
             y: role
                 .receives()
-                .then(|| DeviceBuffer::zeros(&st.s, n))
+                .then(|| DeviceBuffer::zeros(n, &st.s))
                 .transpose()?,
         };
         let rb = RawBufs::new(&raw_ctx, role, n)?;
@@ -721,7 +721,7 @@ fn run(o: &Opts, launch: Option<Launch>) -> handoff::Result<()> {
             .comm
             .split(Some(0), st.rank as i32)?
             .ok_or_else(|| invalid("the split left this rank out".into()))?;
-        let graph = Graph::capture_with(&st.s, gcomm, |s, c| {
+        let graph = Graph::capture_with(gcomm, &st.s, |s, c| {
             handoff_round(role, s, c, &mut b, GRAPH_ROUND)
         })?;
         let rgraph = RawGraph::capture(&raw_ctx, role, &rb)?;

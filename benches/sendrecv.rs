@@ -171,11 +171,12 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
         }
         (Mode::SelfRank, _) => {
             let d = Device::new(o.devices[0])?;
-            let comms = Communicator::init_all_with(std::slice::from_ref(&d), o.comm_options())?;
+            let comms = Communicator::init_all_with(o.comm_options(), std::slice::from_ref(&d))?;
             // SAFETY: the benchmark's sends and receives match.
-            let unverified = Communicator::init_all_with(std::slice::from_ref(&d), unsafe {
-                o.comm_options().unverified()
-            })?;
+            let unverified = Communicator::init_all_with(
+                unsafe { o.comm_options().unverified() },
+                std::slice::from_ref(&d),
+            )?;
             let label = format!(
                 "one rank sending to itself on GPU {} ({})",
                 o.devices[0],
@@ -194,9 +195,9 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
         }
         _ => {
             let devs = [Device::new(o.devices[0])?, Device::new(o.devices[1])?];
-            let comms = Communicator::init_all_with(&devs, o.comm_options())?;
+            let comms = Communicator::init_all_with(o.comm_options(), &devs)?;
             // SAFETY: the benchmark's sends and receives match.
-            let unverified = Communicator::init_all_with(&devs, unsafe { o.comm_options().unverified() })?;
+            let unverified = Communicator::init_all_with(unsafe { o.comm_options().unverified() }, &devs)?;
             let label = format!(
                 "two ranks in one process, GPU {} -> GPU {}",
                 o.devices[0], o.devices[1]
@@ -353,11 +354,11 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
     let mut b = Bufs::<T> {
         x: s.role
             .sends()
-            .then(|| DeviceBuffer::from_slice(&s.send_s, &host_x))
+            .then(|| DeviceBuffer::from_slice(&host_x, &s.send_s))
             .transpose()?,
         y: s.role
             .receives()
-            .then(|| DeviceBuffer::zeros(&s.recv_s, max_count))
+            .then(|| DeviceBuffer::zeros(max_count, &s.recv_s))
             .transpose()?,
     };
     let reports = s.role.receives();
@@ -511,7 +512,8 @@ fn call_costs(s: &Setup) -> handoff::Result<()> {
     s.recv_s.synchronize()?;
     let get_device = time(&mut || handoff::result::cudart::get_device().map(|_| ()))?;
     // SAFETY: the stream is live. (What every eager tracked operation asks of each stream.)
-    let is_capturing = time(&mut || unsafe { handoff::result::cudart::stream_is_capturing(raw_s) }.map(drop))?;
+    let is_capturing =
+        time(&mut || unsafe { handoff::result::cudart::stream_is_capturing(raw_s) }.map(drop))?;
     let pair = time(&mut || {
         let v: Vec<u64> = Vec::with_capacity(4);
         std::hint::black_box(v);
@@ -521,8 +523,8 @@ fn call_costs(s: &Setup) -> handoff::Result<()> {
     unsafe { handoff::result::cudart::event_destroy(ev) }?;
     // A tracked kernel launch (kernel A of the article) against a raw `cudaLaunchKernel` of the
     // same kernel on the same stream and buffer.
-    let mut x = DeviceBuffer::<f32>::zeros(&s.recv_s, 4)?;
-    let produce = time(&mut || handoff::kernels::produce(&s.recv_s, &mut x, 0))?;
+    let mut x = DeviceBuffer::<f32>::zeros(4, &s.recv_s)?;
+    let produce = time(&mut || handoff::kernels::produce(&mut x, 0, &s.recv_s))?;
     s.recv_s.synchronize()?;
     let module = handoff::Module::from_ptx(include_str!("../src/sys/generated/article.ptx"))?;
     let kernel = module.function("handoff_produce")?;

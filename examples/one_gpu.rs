@@ -26,11 +26,11 @@ fn run() -> handoff::Result<()> {
     println!("GPU 0: {} ({count} visible)", dev.name()?);
     let producer = Stream::new(&dev)?;
     let consumer = Stream::new(&dev)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&producer, 4)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&consumer, 4)?;
+    let mut x = DeviceBuffer::<f32>::zeros(4, &producer)?;
+    let mut y = DeviceBuffer::<f32>::zeros(4, &consumer)?;
     for round in 0..4 {
-        kernels::produce(&producer, &mut x, round)?; // A, on the producer stream
-        kernels::twice(&consumer, &x, &mut y)?; // B, on the consumer stream: waits for A
+        kernels::produce(&mut x, round, &producer)?; // A, on the producer stream
+        kernels::twice(&x, &mut y, &consumer)?; // B, on the consumer stream: waits for A
         let y_host = y.to_vec(&consumer)?; // waits for B
         let want: Vec<f32> = (0..4).map(|i| 2.0 * produced_value(i, round)).collect();
         println!(

@@ -127,10 +127,10 @@ fn run(o: &Options) -> handoff::Result<()> {
     let send_s = Stream::new(&pair.send_dev)?;
     let comm_s = Stream::new(&pair.recv_dev)?;
     let compute_s = Stream::new(&pair.recv_dev)?;
-    let mut x_send = DeviceBuffer::<f32>::zeros(&send_s, n)?;
-    kernels::produce(&send_s, &mut x_send, 0)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&comm_s, n)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&compute_s, n)?;
+    let mut x_send = DeviceBuffer::<f32>::zeros(n, &send_s)?;
+    kernels::produce(&mut x_send, 0, &send_s)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &comm_s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &compute_s)?;
     let ev = |_: ()| Event::new(&pair.recv_dev);
     let (start, recv_end, c_start, c_end, end) = (ev(())?, ev(())?, ev(())?, ev(())?, ev(())?);
     let peer_of_receiver = pair.sender().rank();
@@ -168,9 +168,9 @@ fn run(o: &Options) -> handoff::Result<()> {
         receive(&mut x)?;
         comm_s.record(&recv_end)?;
         comm_s.record(&c_start)?;
-        kernels::busy(&comm_s, c)?;
+        kernels::busy(c, &comm_s)?;
         comm_s.record(&c_end)?;
-        kernels::twice(&comm_s, &x, &mut y)?;
+        kernels::twice(&x, &mut y, &comm_s)?;
         comm_s.record(&end)?;
         end.synchronize()?;
         serial.push(timing(&start, &recv_end, &c_start, &c_end, &end)?);
@@ -182,9 +182,9 @@ fn run(o: &Options) -> handoff::Result<()> {
         receive(&mut x)?;
         comm_s.record(&recv_end)?;
         compute_s.record(&c_start)?;
-        kernels::busy(&compute_s, c)?;
+        kernels::busy(c, &compute_s)?;
         compute_s.record(&c_end)?;
-        kernels::twice(&compute_s, &x, &mut y)?; // waits for the receive: tracking
+        kernels::twice(&x, &mut y, &compute_s)?; // waits for the receive: tracking
         compute_s.record(&end)?;
         end.synchronize()?;
         overlapped.push(timing(&start, &recv_end, &c_start, &c_end, &end)?);

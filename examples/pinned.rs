@@ -1,6 +1,6 @@
 //! Pinned host memory on GPU 0: first the article's last step, y to the host, queued without
-//! blocking (`copy_to_host` into a `HostBuffer`, then `read()` where the host needs it); then
-//! device-to-host copies of 4 B, 1 MiB and 256 MiB timed into pinned memory (`copy_to_host` +
+//! blocking (`HostBuffer::copy_from_device`, then `read()` where the host needs it); then
+//! device-to-host copies of 4 B, 1 MiB and 256 MiB timed into pinned memory (`copy_from_device` +
 //! `read()`) against pageable memory (`View::to_vec`, which allocates a `Vec` and blocks), host
 //! wall time from the call to the data in hand, median of several repetitions; last, the
 //! pinned memory the dropped buffers left in handoff's cache, given back to the system.
@@ -55,14 +55,14 @@ fn release(dev: &Device, stream: &Stream) -> handoff::Result<()> {
 /// host blocks only in `read()`, when it needs y.
 fn article_last_step(dev: &Device, stream: &Stream) -> handoff::Result<()> {
     let n = 4;
-    let mut x = DeviceBuffer::<f32>::zeros(stream, n)?;
-    let mut y = DeviceBuffer::<f32>::zeros(stream, n)?;
-    let mut y_host = HostBuffer::<f32>::zeros(dev, n)?; // allocated once, reused every round
+    let mut x = DeviceBuffer::<f32>::zeros(n, stream)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, stream)?;
+    let mut y_host = HostBuffer::<f32>::zeros(n, dev)?; // allocated once, reused every round
     for round in 0..4 {
         let t = Instant::now();
-        kernels::produce(stream, &mut x, round)?; // A
-        kernels::twice(stream, &x, &mut y)?; // B
-        y.copy_to_host(&mut y_host, stream)?; // returns at once
+        kernels::produce(&mut x, round, stream)?; // A
+        kernels::twice(&x, &mut y, stream)?; // B
+        y_host.copy_from_device(&y, stream)?; // returns at once
         let queued = t.elapsed();
         // ... the host is free here ...
         let got = y_host.read()?; // waits for the copy (which waited for B)
@@ -95,12 +95,12 @@ fn measure(dev: &Device, stream: &Stream) -> handoff::Result<()> {
         ("256 MiB", 256 << 20, 11),
     ] {
         let n = bytes / std::mem::size_of::<f32>();
-        let mut x = DeviceBuffer::<f32>::zeros(stream, n)?;
-        kernels::produce(stream, &mut x, 7)?;
+        let mut x = DeviceBuffer::<f32>::zeros(n, stream)?;
+        kernels::produce(&mut x, 7, stream)?;
         stream.synchronize()?;
-        let mut host = HostBuffer::<f32>::zeros(dev, n)?;
+        let mut host = HostBuffer::<f32>::zeros(n, dev)?;
         // Warm-up, and a check of both paths' values.
-        x.copy_to_host(&mut host, stream)?;
+        host.copy_from_device(&x, stream)?;
         let pageable = x.to_vec(stream)?;
         let want = |i: usize| produced_value(i, 7);
         if host.read()?.iter().enumerate().any(|(i, v)| *v != want(i))
@@ -114,7 +114,7 @@ fn measure(dev: &Device, stream: &Stream) -> handoff::Result<()> {
         // Alternated, so that both see the same conditions.
         for _ in 0..reps {
             let t = Instant::now();
-            x.copy_to_host(&mut host, stream)?;
+            host.copy_from_device(&x, stream)?;
             let last = host.read()?[n - 1];
             pinned_t.push(t.elapsed());
             let t = Instant::now();

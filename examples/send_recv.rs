@@ -101,12 +101,12 @@ fn run_rank(launch: &Launch) -> handoff::Result<()> {
     );
     println!("{who} joined through {} at {}", launch.launcher, launch.master);
     let stream = Stream::new(gpu)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&stream, N)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&stream, N)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &stream)?;
+    let mut y = DeviceBuffer::<f32>::zeros(N, &stream)?;
     for round in 0..ROUNDS {
         match comm.rank() {
             0 => {
-                kernels::produce(&stream, &mut x, round)?; // A
+                kernels::produce(&mut x, round, &stream)?; // A
                 comm.send(&x, 1, &stream)?; // waits for A on the GPU, not on the host
                 println!(
                     "{who} round {round}: A wrote x = {}, sent to rank 1",
@@ -115,7 +115,7 @@ fn run_rank(launch: &Launch) -> handoff::Result<()> {
             }
             1 => {
                 comm.recv(&mut x, 0, &stream)?;
-                kernels::twice(&stream, &x, &mut y)?; // B
+                kernels::twice(&x, &mut y, &stream)?; // B
                 let host = y.to_vec(&stream)?; // waits for B
                 check(round, &host)?;
                 println!(
@@ -144,16 +144,16 @@ fn run_self() -> handoff::Result<()> {
         gpu.name()?
     );
     let (s0, s1) = (Stream::new(&gpu)?, Stream::new(&gpu)?);
-    let mut x = DeviceBuffer::<f32>::zeros(&s0, N)?;
-    let mut received = DeviceBuffer::<f32>::zeros(&s1, N)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &s0)?;
+    let mut received = DeviceBuffer::<f32>::zeros(N, &s1)?;
+    let mut y = DeviceBuffer::<f32>::zeros(N, &s1)?;
     for round in 0..ROUNDS {
-        kernels::produce(&s0, &mut x, round)?; // A on S0
+        kernels::produce(&mut x, round, &s0)?; // A on S0
         group(|g| {
             g.send(&comm, &x, 0, &s0)?; // send on S0 ...
             g.recv(&comm, &mut received, 0, &s1) // ... received on S1
         })?;
-        kernels::twice(&s1, &received, &mut y)?; // B on S1
+        kernels::twice(&received, &mut y, &s1)?; // B on S1
         let host = y.to_vec(&s1)?;
         check(round, &host)?;
         println!(

@@ -24,12 +24,12 @@ fn main() -> handoff::Result<()> {
 
     let scale = Module::from_ptx(PTX)?.function("user_scale")?;
     let n = 4;
-    let mut x = DeviceBuffer::<f32>::zeros(&s0, n)?;
-    let mut x1 = DeviceBuffer::<f32>::zeros(&s1, n)?;
-    let mut z1 = DeviceBuffer::<f32>::zeros(&s1, n)?;
-    let mut z = DeviceBuffer::<f32>::zeros(&s0, n)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &s0)?;
+    let mut x1 = DeviceBuffer::<f32>::zeros(n, &s1)?;
+    let mut z1 = DeviceBuffer::<f32>::zeros(n, &s1)?;
+    let mut z = DeviceBuffer::<f32>::zeros(n, &s0)?;
     for round in 0..4 {
-        kernels::produce(&s0, &mut x, round)?; // A on rank 0
+        kernels::produce(&mut x, round, &s0)?; // A on rank 0
         group(|g| {
             g.send(c0, &x, c1.rank(), &s0)?;
             g.recv(c1, &mut x1, c0.rank(), &s1)

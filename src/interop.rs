@@ -29,10 +29,10 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 
 use crate::cuda::buffer::DeviceBuffer;
 use crate::cuda::device::Device;
-use crate::error::{Error, Result};
-use crate::result::cudart as cu;
 use crate::cuda::stream::Stream;
 use crate::engine::tracking::Access;
+use crate::error::{Error, Result};
+use crate::result::cudart as cu;
 
 /// The special handles: the legacy default stream (`0`, and `cudaStreamLegacy`, `1`), which
 /// names the *current* device's, and the per-thread default stream (`2`), a different stream on
@@ -151,7 +151,7 @@ impl<T: Pod> DeviceBuffer<T> {
         crate::cuda::buffer::byte_len::<T>(len)?;
         if len == 0 {
             drop(slice);
-            return DeviceBuffer::zeros(stream, 0);
+            return DeviceBuffer::zeros(0, stream);
         }
         let ctx = slice.context().clone();
         // Under the stream's order, outside any capture: cudarc queues the waits for the slice's

@@ -16,12 +16,11 @@ use std::time::Duration;
 use bytemuck::Pod;
 use once_cell::sync::OnceCell;
 
-use crate::cuda::buffer::DeviceBuffer;
-use crate::error::{Error, Result};
 use crate::cuda::module::{Function, LaunchConfig, Module};
 use crate::cuda::stream::Stream;
+use crate::cuda::view::{View, ViewMut, check_len};
+use crate::error::{Error, Result};
 use crate::sys::ptx;
-use crate::cuda::view::{ViewMut, check_len};
 
 /// The crate's kernels, launched through the same [`Module`] API as users' own.
 struct Builtins {
@@ -101,12 +100,14 @@ fn nanos(d: Duration) -> Result<u64> {
 }
 
 /// Kernel A: writes `x[i] = ((i + round) mod 2^24) + 1` on `stream`, after every earlier use of
-/// `x`.
+/// `x`'s buffer. `x` is a buffer or a [`ViewMut`] of part of one; `i` counts from the view's
+/// start.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] if `x` is on another device than
 /// `stream`; CUDA errors (loading the PTX, launching).
-pub fn produce(stream: &Stream, x: &mut DeviceBuffer<f32>, round: u32) -> Result<()> {
+pub fn produce<'x>(x: impl Into<ViewMut<'x, f32>>, round: u32, stream: &Stream) -> Result<()> {
+    let x = x.into();
     let k = &builtins(stream)?.produce;
     let n = x.len();
     // SAFETY: handoff_produce(float* x, u64 n, u32 round) writes x[0..n] only, and ends.
@@ -125,12 +126,19 @@ pub fn produced_value(i: usize, round: u32) -> f32 {
     (((i as u64 + u64::from(round)) & 0xFF_FFFF) + 1) as f32
 }
 
-/// Kernel B: `y = 2x` on `stream`, after the last write to `x` and every earlier use of `y`.
+/// Kernel B: `y = 2x` on `stream`, after the last write to `x`'s buffer and every earlier use of
+/// `y`'s. Each is a buffer or a view of part of one ([`View`], [`ViewMut`]); they may be the
+/// two halves of one buffer from [`ViewMut::split_at_mut`].
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] if the lengths differ or a buffer
 /// is on another device; CUDA errors.
-pub fn twice(stream: &Stream, x: &DeviceBuffer<f32>, y: &mut DeviceBuffer<f32>) -> Result<()> {
+pub fn twice<'x, 'y>(
+    x: impl Into<View<'x, f32>>,
+    y: impl Into<ViewMut<'y, f32>>,
+    stream: &Stream,
+) -> Result<()> {
+    let (x, y) = (x.into(), y.into());
     check_len(y.len(), x.len(), "x")?;
     let k = &builtins(stream)?.twice;
     let n = x.len();
@@ -150,7 +158,7 @@ pub fn twice(stream: &Stream, x: &DeviceBuffer<f32>, y: &mut DeviceBuffer<f32>) 
 /// # Errors
 /// [`Error::InvalidArgument`] for a duration over [`MAX_WAIT`];
 /// CUDA errors.
-pub fn busy(stream: &Stream, duration: Duration) -> Result<()> {
+pub fn busy(duration: Duration, stream: &Stream) -> Result<()> {
     let ns = nanos(duration)?;
     let k = &builtins(stream)?.busy;
     // SAFETY: handoff_busy(u64 ns) touches no memory and ends after `ns` (at most MAX_WAIT).
@@ -163,16 +171,18 @@ pub fn busy(stream: &Stream, duration: Duration) -> Result<()> {
 /// where that delay hid the missing ordering the hazard tests look for.
 const DELAYED_COPY_BLOCKS: u32 = 16;
 
-/// A long read: waits `delay` on the GPU, then copies `src` into `dst`, on `stream`.
+/// A long read: waits `delay` on the GPU, then copies `src` into `dst`, on `stream`. Each is a
+/// buffer or a view of part of one, as for [`twice`].
 ///
 /// # Errors
 /// As [`twice`], and as [`busy`] for the delay.
-pub fn delayed_copy(
-    stream: &Stream,
-    src: &DeviceBuffer<f32>,
-    dst: &mut DeviceBuffer<f32>,
+pub fn delayed_copy<'s, 'd>(
+    src: impl Into<View<'s, f32>>,
+    dst: impl Into<ViewMut<'d, f32>>,
     delay: Duration,
+    stream: &Stream,
 ) -> Result<()> {
+    let (src, dst) = (src.into(), dst.into());
     check_len(dst.len(), src.len(), "src")?;
     let ns = nanos(delay)?;
     let k = &builtins(stream)?.delayed_copy;
@@ -191,7 +201,7 @@ pub fn delayed_copy(
 }
 
 /// Sets every element of `dst` to `value` (see [`ViewMut::fill`]).
-pub(crate) fn fill<T: Pod>(stream: &Stream, dst: ViewMut<'_, T>, value: T) -> Result<()> {
+pub(crate) fn fill<T: Pod>(dst: ViewMut<'_, T>, value: T, stream: &Stream) -> Result<()> {
     let size = std::mem::size_of::<T>();
     if size > 16 {
         return Err(Error::InvalidArgument(format!(
@@ -255,11 +265,11 @@ mod tests {
         let mut unit = ();
         // SAFETY: never dereferenced; zero-sized elements.
         let huge = unsafe { ViewMut::from_raw(&mut unit as *mut (), usize::MAX, &tracked) };
-        fill(&stream, huge, ()).unwrap();
+        fill(huge, (), &stream).unwrap();
         let mut x = 0f32;
         // SAFETY: never dereferenced; no elements.
         let empty = unsafe { ViewMut::from_raw(&mut x as *mut f32, 0, &tracked) };
-        fill(&stream, empty, 1.0).unwrap();
+        fill(empty, 1.0, &stream).unwrap();
     }
 
     #[test]

@@ -104,8 +104,8 @@ fn bad_arguments() -> Result<(), Failed> {
         .pop()
         .ok_or("no communicator")?;
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::<f32>::zeros(&s, 8)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 7)?;
+    let x = DeviceBuffer::<f32>::zeros(8, &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(7, &s)?;
     for (what, r) in [
         (
             "all_reduce of 8 into 7",
@@ -134,7 +134,7 @@ fn bad_arguments() -> Result<(), Failed> {
         return Err(format!("the communicator broke: {r}").into());
     }
     // A one-rank all-reduce in place works.
-    let mut z = DeviceBuffer::from_slice(&s, &[1.5f32; 8])?;
+    let mut z = DeviceBuffer::from_slice(&[1.5f32; 8], &s)?;
     comm.all_reduce_in_place(&mut z, ReduceOp::Sum, &s)?;
     assert_all_eq("z", &z.to_vec(&s)?, |_| 1.5)
 }
@@ -152,11 +152,11 @@ fn bufs(r: usize, world: usize, s: &Stream) -> handoff::Result<Bufs> {
     let host: Vec<f32> = (0..N).map(|i| input(r, i)).collect();
     let wide: Vec<f32> = (0..world * N).map(|i| input(r, i % N) + (i / N) as f32).collect();
     Ok(Bufs {
-        x: DeviceBuffer::from_slice(s, &host)?,
-        y: DeviceBuffer::zeros(s, N)?,
-        gathered: DeviceBuffer::zeros(s, world * N)?,
-        scattered: DeviceBuffer::zeros(s, N)?,
-        wide: DeviceBuffer::from_slice(s, &wide)?,
+        x: DeviceBuffer::from_slice(&host, s)?,
+        y: DeviceBuffer::zeros(N, s)?,
+        gathered: DeviceBuffer::zeros(world * N, s)?,
+        scattered: DeviceBuffer::zeros(N, s)?,
+        wide: DeviceBuffer::from_slice(&wide, s)?,
     })
 }
 
@@ -204,17 +204,17 @@ fn spread(r: usize, world: usize, s: &Stream) -> handoff::Result<Spread> {
     let mine: Vec<f32> = (0..M).map(|i| piece(r, 0, i)).collect();
     let root0: Vec<f32> = (0..world * M).map(|k| piece(9, k / M, k % M)).collect();
     Ok(Spread {
-        a2a_in: DeviceBuffer::from_slice(s, &a2a)?,
-        a2a_out: DeviceBuffer::zeros(s, world * M)?,
-        mine: DeviceBuffer::from_slice(s, &mine)?,
+        a2a_in: DeviceBuffer::from_slice(&a2a, s)?,
+        a2a_out: DeviceBuffer::zeros(world * M, s)?,
+        mine: DeviceBuffer::from_slice(&mine, s)?,
         // Only the root (rank 1) needs the whole output; the others pass none.
-        gathered: DeviceBuffer::zeros(s, if r == 1 { world * M } else { 0 })?,
+        gathered: DeviceBuffer::zeros(if r == 1 { world * M } else { 0 }, s)?,
         scatter_in: if r == 0 {
-            DeviceBuffer::from_slice(s, &root0)?
+            DeviceBuffer::from_slice(&root0, s)?
         } else {
-            DeviceBuffer::zeros(s, 0)?
+            DeviceBuffer::zeros(0, s)?
         },
-        scattered: DeviceBuffer::zeros(s, M)?,
+        scattered: DeviceBuffer::zeros(M, s)?,
     })
 }
 
@@ -404,8 +404,8 @@ fn mismatches() -> Result<(), Failed> {
             let run = || -> handoff::Result<handoff::Result<()>> {
                 let comm = made?;
                 let s = Stream::new(comm.device())?;
-                let x = DeviceBuffer::from_slice(&s, &[1.0f32; 8])?;
-                let mut y = DeviceBuffer::<f32>::zeros(&s, 8)?;
+                let x = DeviceBuffer::from_slice(&[1.0f32; 8], &s)?;
+                let mut y = DeviceBuffer::<f32>::zeros(8, &s)?;
                 let odd = comm.rank() == 1;
                 Ok(match case {
                     Case::Op => {
@@ -455,12 +455,12 @@ fn hazards() -> Result<(), Failed> {
     let ss = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
     let others = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
     let mut xs = [
-        DeviceBuffer::<f32>::zeros(&ss[0], N)?,
-        DeviceBuffer::<f32>::zeros(&ss[1], N)?,
+        DeviceBuffer::<f32>::zeros(N, &ss[0])?,
+        DeviceBuffer::<f32>::zeros(N, &ss[1])?,
     ];
     let mut ys = [
-        DeviceBuffer::<f32>::zeros(&ss[0], N)?,
-        DeviceBuffer::<f32>::zeros(&ss[1], N)?,
+        DeviceBuffer::<f32>::zeros(N, &ss[0])?,
+        DeviceBuffer::<f32>::zeros(N, &ss[1])?,
     ];
     // Warm the pair up (connections, NCCL's kernels loaded).
     {
@@ -471,11 +471,11 @@ fn hazards() -> Result<(), Failed> {
         })?;
     }
     for (r, x) in xs.iter_mut().enumerate() {
-        kernels::produce(&ss[r], x, 1)?;
+        kernels::produce(x, 1, &ss[r])?;
     }
     for s in &ss {
         s.synchronize()?;
-        kernels::busy(s, Duration::from_millis(300))?;
+        kernels::busy(Duration::from_millis(300), s)?;
     }
     {
         let [x0, x1] = &xs;
@@ -486,7 +486,7 @@ fn hazards() -> Result<(), Failed> {
         })?;
     }
     for (r, x) in xs.iter_mut().enumerate() {
-        kernels::produce(&others[r], x, 50)?; // must wait for the all-reduce's read
+        kernels::produce(x, 50, &others[r])?; // must wait for the all-reduce's read
     }
     for (r, y) in ys.iter().enumerate() {
         assert_all_eq(
@@ -501,7 +501,7 @@ fn hazards() -> Result<(), Failed> {
 /// `x` of rank `r`, and a zeroed `y`, on `s`.
 fn x_and_y(r: usize, s: &Stream) -> handoff::Result<(DeviceBuffer<f32>, DeviceBuffer<f32>)> {
     let host: Vec<f32> = (0..N).map(|i| input(r, i)).collect();
-    Ok((DeviceBuffer::from_slice(s, &host)?, DeviceBuffer::zeros(s, N)?))
+    Ok((DeviceBuffer::from_slice(&host, s)?, DeviceBuffer::zeros(N, s)?))
 }
 
 /// A rank of `init_all` cannot split alone (it would wait for the others forever);
@@ -575,7 +575,7 @@ fn split_halves() -> Result<(), Failed> {
 /// order shows; the children of one color are driven together, like `init_all`'s.
 fn split_reordered(blocking: bool) -> Result<(), Failed> {
     let devs = [Device::new(0)?, Device::new(1)?];
-    let comms = Communicator::init_all_with(&devs, CommOptions::default().with_blocking(blocking))?;
+    let comms = Communicator::init_all_with(CommOptions::default().with_blocking(blocking), &devs)?;
     let ss = [Stream::new(&devs[0])?, Stream::new(&devs[1])?];
     let kids = Communicator::split_all(&comms, &[(Some(2), 10), (Some(2), 5)])?;
     let kids: Vec<&Communicator> = kids.iter().flatten().collect();
@@ -586,8 +586,8 @@ fn split_reordered(blocking: bool) -> Result<(), Failed> {
     // Parent rank p's input is input(p, i); gathered in the children's order: parent 1 first.
     let xs = [x_and_y(0, &ss[0])?.0, x_and_y(1, &ss[1])?.0];
     let mut outs = [
-        DeviceBuffer::<f32>::zeros(&ss[0], 2 * N)?,
-        DeviceBuffer::<f32>::zeros(&ss[1], 2 * N)?,
+        DeviceBuffer::<f32>::zeros(2 * N, &ss[0])?,
+        DeviceBuffer::<f32>::zeros(2 * N, &ss[1])?,
     ];
     let [o0, o1] = &mut outs;
     group(|g| {
@@ -720,8 +720,8 @@ fn pre_mul_sum() -> Result<(), Failed> {
     let mut ins = Vec::new();
     let mut outs = Vec::new();
     for r in 0..2 {
-        ins.push(DeviceBuffer::from_slice(&ss[r], &xs[r])?);
-        outs.push(DeviceBuffer::<i32>::zeros(&ss[r], N)?);
+        ins.push(DeviceBuffer::from_slice(&xs[r], &ss[r])?);
+        outs.push(DeviceBuffer::<i32>::zeros(N, &ss[r])?);
     }
     let [o0, o1] = &mut outs[..] else {
         unreachable!("two ranks")

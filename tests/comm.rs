@@ -99,9 +99,9 @@ fn self_send_recv_many_sizes() -> Result<(), Failed> {
         (1 << 22, 5),
         (100 << 20, 6),
     ] {
-        let mut x = DeviceBuffer::<f32>::zeros(&s, n)?;
-        kernels::produce(&s, &mut x, round)?;
-        let mut y = DeviceBuffer::<f32>::zeros(&s, n)?;
+        let mut x = DeviceBuffer::<f32>::zeros(n, &s)?;
+        kernels::produce(&mut x, round, &s)?;
+        let mut y = DeviceBuffer::<f32>::zeros(n, &s)?;
         let t = Instant::now();
         self_transfer(&comm, &s, &x, &mut y)?;
         let got = y.to_vec(&s)?;
@@ -128,8 +128,8 @@ fn roundtrip_type<T: NcclType + PartialEq + std::fmt::Debug>(
 ) -> Result<(), Failed> {
     for n in [1usize, 33, 100_003] {
         let want = pattern::<T>(n, n);
-        let x = DeviceBuffer::from_slice(s, &want)?;
-        let mut y = DeviceBuffer::<T>::zeros(s, n)?;
+        let x = DeviceBuffer::from_slice(&want, s)?;
+        let mut y = DeviceBuffer::<T>::zeros(n, s)?;
         self_transfer(comm, s, &x, &mut y)?;
         let got = y.to_vec(s)?;
         if bytemuck::cast_slice::<T, u8>(&got) != bytemuck::cast_slice::<T, u8>(&want) {
@@ -160,9 +160,9 @@ fn grouped_ranges() -> Result<(), Failed> {
     let (dev, comm) = one_rank()?;
     let (s1, s2) = (Stream::new(&dev)?, Stream::new(&dev)?);
     let n = 4096;
-    let x = DeviceBuffer::from_slice(&s1, &(0..n as u32).collect::<Vec<_>>())?;
-    let mut y = DeviceBuffer::<u32>::zeros(&s1, n)?;
-    let mut z = DeviceBuffer::<u32>::zeros(&s2, n)?;
+    let x = DeviceBuffer::from_slice(&(0..n as u32).collect::<Vec<_>>(), &s1)?;
+    let mut y = DeviceBuffer::<u32>::zeros(n, &s1)?;
+    let mut z = DeviceBuffer::<u32>::zeros(n, &s2)?;
     let me = comm.rank();
     group(|g| {
         // x's lower half into y's upper half, on s1; all of x into z, on s2.
@@ -184,12 +184,12 @@ fn send_buffer_rewritten() -> Result<(), Failed> {
     let (dev, comm) = one_rank()?;
     let (comm_s, compute) = (Stream::new(&dev)?, Stream::new(&dev)?);
     let n = 1 << 20;
-    let mut x = DeviceBuffer::<f32>::zeros(&compute, n)?;
-    kernels::produce(&compute, &mut x, 0)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&comm_s, n)?;
-    kernels::busy(&comm_s, LONG)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &compute)?;
+    kernels::produce(&mut x, 0, &compute)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &comm_s)?;
+    kernels::busy(LONG, &comm_s)?;
     self_transfer(&comm, &comm_s, &x, &mut y)?;
-    kernels::produce(&compute, &mut x, 1)?; // the next round's A
+    kernels::produce(&mut x, 1, &compute)?; // the next round's A
     assert_all_eq("received y", &y.to_vec(&comm_s)?, |i| produced_value(i, 0))?;
     assert_all_eq("rewritten x", &x.to_vec(&compute)?, |i| produced_value(i, 1))
 }
@@ -201,13 +201,13 @@ fn receive_buffer_rereceived() -> Result<(), Failed> {
     let (dev, comm) = one_rank()?;
     let (comm_s, compute) = (Stream::new(&dev)?, Stream::new(&dev)?);
     let n = 1 << 16;
-    let mut src = DeviceBuffer::<f32>::zeros(&comm_s, n)?;
-    kernels::produce(&comm_s, &mut src, 0)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&comm_s, n)?;
+    let mut src = DeviceBuffer::<f32>::zeros(n, &comm_s)?;
+    kernels::produce(&mut src, 0, &comm_s)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &comm_s)?;
     self_transfer(&comm, &comm_s, &src, &mut x)?; // round 0 arrives in x
-    let mut seen_by_b = DeviceBuffer::<f32>::zeros(&compute, n)?;
-    kernels::delayed_copy(&compute, &x, &mut seen_by_b, LONG)?; // B reads x, slowly
-    kernels::produce(&comm_s, &mut src, 1)?;
+    let mut seen_by_b = DeviceBuffer::<f32>::zeros(n, &compute)?;
+    kernels::delayed_copy(&x, &mut seen_by_b, LONG, &compute)?; // B reads x, slowly
+    kernels::produce(&mut src, 1, &comm_s)?;
     self_transfer(&comm, &comm_s, &src, &mut x)?; // round 1 into x
     assert_all_eq("x as B read it", &seen_by_b.to_vec(&compute)?, |i| {
         produced_value(i, 0)
@@ -230,8 +230,8 @@ fn expect_invalid<T: std::fmt::Debug>(what: &str, r: handoff::Result<T>) -> Resu
 fn bad_arguments() -> Result<(), Failed> {
     let (dev, comm) = one_rank()?;
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[1.0f32; 8])?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 8)?;
+    let x = DeviceBuffer::from_slice(&[1.0f32; 8], &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(8, &s)?;
     expect_invalid("peer out of range", comm.send(&x, 1, &s))?;
     expect_invalid("range beyond the buffer", x.slice(4..9))?;
     expect_invalid("send to oneself outside a group", comm.send(&x, 0, &s))?;
@@ -243,7 +243,7 @@ fn bad_arguments() -> Result<(), Failed> {
             g.recv(&comm, y.slice_mut(0..7)?, 0, &s)
         }),
     )?;
-    let mut y2 = DeviceBuffer::<f32>::zeros(&s, 8)?;
+    let mut y2 = DeviceBuffer::<f32>::zeros(8, &s)?;
     expect_invalid(
         "self sends and receives of the same counts in another order",
         group(|g| {
@@ -254,14 +254,14 @@ fn bad_arguments() -> Result<(), Failed> {
         }),
     )?;
     let id = UniqueId::new()?;
-    expect_invalid("world size 0", Communicator::new(&dev, 0, 0, &id))?;
-    expect_invalid("rank beyond world", Communicator::new(&dev, 2, 2, &id))?;
+    expect_invalid("world size 0", Communicator::new(0, 0, &id, &dev))?;
+    expect_invalid("rank beyond world", Communicator::new(2, 2, &id, &dev))?;
     expect_invalid(
         "one device twice",
         Communicator::init_all(&[dev.clone(), dev.clone()]),
     )?;
     // Zero-length transfers are no-ops, even to oneself outside a group.
-    let empty = DeviceBuffer::<f32>::zeros(&s, 0)?;
+    let empty = DeviceBuffer::<f32>::zeros(0, &s)?;
     comm.send(&empty, 0, &s)?;
     // None of the rejected calls touched the communicator: it still works.
     self_transfer(&comm, &s, &x, &mut y)?;
@@ -271,8 +271,8 @@ fn bad_arguments() -> Result<(), Failed> {
 fn abort_makes_later_calls_fail() -> Result<(), Failed> {
     let (dev, comm) = one_rank()?;
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[1u8; 16])?;
-    let mut y = DeviceBuffer::<u8>::zeros(&s, 16)?;
+    let x = DeviceBuffer::from_slice(&[1u8; 16], &s)?;
+    let mut y = DeviceBuffer::<u8>::zeros(16, &s)?;
     comm.abort()?;
     match self_transfer(&comm, &s, &x, &mut y) {
         Err(Error::CommunicatorUnusable { reason }) => println!("after abort: {reason}"),
@@ -285,14 +285,14 @@ fn abort_makes_later_calls_fail() -> Result<(), Failed> {
 fn nonblocking_self() -> Result<(), Failed> {
     let dev = Device::new(0)?;
     let opts = CommOptions::nonblocking(Duration::from_secs(30));
-    let comm = Communicator::init_all_with(std::slice::from_ref(&dev), opts)?
+    let comm = Communicator::init_all_with(opts, std::slice::from_ref(&dev))?
         .pop()
         .ok_or("no communicator")?;
     let s = Stream::new(&dev)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, 1 << 20)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 1 << 20)?;
+    let mut x = DeviceBuffer::<f32>::zeros(1 << 20, &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1 << 20, &s)?;
     for round in 0..3 {
-        kernels::produce(&s, &mut x, round)?;
+        kernels::produce(&mut x, round, &s)?;
         self_transfer(&comm, &s, &x, &mut y)?;
         assert_all_eq("y", &y.to_vec(&s)?, |i| produced_value(i, round))?;
     }
@@ -307,7 +307,7 @@ fn rank_never_comes() -> Result<(), Failed> {
     let id = UniqueId::new()?;
     let timeout = Duration::from_secs(3);
     let t = Instant::now();
-    let r = Communicator::with_options(&dev, 2, 0, &id, CommOptions::nonblocking(timeout));
+    let r = Communicator::with_options(2, 0, &id, CommOptions::nonblocking(timeout), &dev);
     let took = t.elapsed();
     match r {
         Err(Error::Timeout { what, after }) if after == timeout => {
@@ -326,9 +326,9 @@ fn rank_never_comes() -> Result<(), Failed> {
 fn synchronize_and_finalize() -> Result<(), Failed> {
     let (dev, comm) = one_rank()?;
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[7u32; 1024])?;
-    let mut y = DeviceBuffer::<u32>::zeros(&s, 1024)?;
-    kernels::busy(&s, LONG)?;
+    let x = DeviceBuffer::from_slice(&[7u32; 1024], &s)?;
+    let mut y = DeviceBuffer::<u32>::zeros(1024, &s)?;
+    kernels::busy(LONG, &s)?;
     let t = Instant::now();
     self_transfer(&comm, &s, &x, &mut y)?;
     comm.synchronize()?;
@@ -346,16 +346,16 @@ fn two_ranks_in_one_process() -> Result<(), Failed> {
     let comms = Communicator::init_all(&devs)?;
     let (s0, s1) = (Stream::new(&devs[0])?, Stream::new(&devs[1])?);
     let n = 1 << 20;
-    let mut x0 = DeviceBuffer::<f32>::zeros(&s0, n)?;
-    let mut x1 = DeviceBuffer::<f32>::zeros(&s1, n)?;
-    let mut y1 = DeviceBuffer::<f32>::zeros(&s1, n)?;
+    let mut x0 = DeviceBuffer::<f32>::zeros(n, &s0)?;
+    let mut x1 = DeviceBuffer::<f32>::zeros(n, &s1)?;
+    let mut y1 = DeviceBuffer::<f32>::zeros(n, &s1)?;
     for round in 0..5 {
-        kernels::produce(&s0, &mut x0, round)?;
+        kernels::produce(&mut x0, round, &s0)?;
         group(|g| {
             g.send(&comms[0], &x0, 1, &s0)?;
             g.recv(&comms[1], &mut x1, 0, &s1)
         })?;
-        kernels::twice(&s1, &x1, &mut y1)?;
+        kernels::twice(&x1, &mut y1, &s1)?;
         assert_all_eq(&format!("y in round {round}"), &y1.to_vec(&s1)?, |i| {
             2.0 * produced_value(i, round)
         })?;
@@ -383,15 +383,15 @@ fn child_send_recv() -> Result<(), Failed> {
     let comm = launch.communicator(CommOptions::default().with_timeout(Duration::from_secs(60)))?;
     let s = Stream::new(comm.device())?;
     let n = 4096;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, n)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, n)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &s)?;
     for round in 0..3 {
         if comm.rank() == 0 {
-            kernels::produce(&s, &mut x, round)?;
+            kernels::produce(&mut x, round, &s)?;
             comm.send(&x, 1, &s)?;
         } else {
             comm.recv(&mut x, 0, &s)?;
-            kernels::twice(&s, &x, &mut y)?;
+            kernels::twice(&x, &mut y, &s)?;
             assert_all_eq(&format!("y in round {round}"), &y.to_vec(&s)?, |i| {
                 2.0 * produced_value(i, round)
             })?;
@@ -407,8 +407,8 @@ fn stream_of_another_device() -> Result<(), Failed> {
     let comms = Communicator::init_all(&devs)?;
     let s1 = Stream::new(&devs[1])?;
     let s0 = Stream::new(&devs[0])?;
-    let x0 = DeviceBuffer::<f32>::zeros(&s0, 4)?;
-    let x1 = DeviceBuffer::<f32>::zeros(&s1, 4)?;
+    let x0 = DeviceBuffer::<f32>::zeros(4, &s0)?;
+    let x1 = DeviceBuffer::<f32>::zeros(4, &s1)?;
     expect_invalid(
         "stream of device 1 for device 0's communicator",
         comms[0].send(&x0, 1, &s1),

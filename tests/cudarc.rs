@@ -77,8 +77,8 @@ fn one_wrapper_at_a_time() -> Result<(), Failed> {
     }
     drop(first);
     let again = wrap(&ca, &dev)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&again, N)?;
-    kernels::produce(&again, &mut x, 3)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &again)?;
+    kernels::produce(&mut x, 3, &again)?;
     assert_all_eq("x", &x.to_vec(&again)?, |i| kernels::produced_value(i, 3))
 }
 
@@ -106,12 +106,12 @@ fn slice_moves_on_its_own_stream() -> Result<(), Failed> {
 fn zero_sized_elements_stay() -> Result<(), Failed> {
     let (dev, _ctx, ca, _cb) = cudarc_streams()?;
     let s = Stream::new(&dev)?;
-    let units = DeviceBuffer::<()>::zeros(&s, 5)?;
+    let units = DeviceBuffer::<()>::zeros(5, &s)?;
     match units.into_cudarc(&ca) {
         Err(handoff::Error::InvalidArgument(m)) => println!("refused: {m}"),
         other => return Err(format!("5 zero-sized elements gave {:?}", other.map(|s| s.len())).into()),
     }
-    let empty = DeviceBuffer::<()>::zeros(&s, 0)?.into_cudarc(&ca)?;
+    let empty = DeviceBuffer::<()>::zeros(0, &s)?.into_cudarc(&ca)?;
     if !empty.is_empty() {
         return Err(format!("an empty buffer became a slice of {}", empty.len()).into());
     }
@@ -126,8 +126,8 @@ fn round_trip() -> Result<(), Failed> {
     let host: Vec<f32> = (0..N).map(|i| i as f32 * 0.5).collect();
     let slice = ca.clone_htod(&host)?;
     let x = DeviceBuffer::from_cudarc(slice, &s)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&other, N)?;
-    kernels::twice(&other, &x, &mut y)?; // on another stream: waits for the slice's copy
+    let mut y = DeviceBuffer::<f32>::zeros(N, &other)?;
+    kernels::twice(&x, &mut y, &other)?; // on another stream: waits for the slice's copy
     assert_all_eq("y in handoff", &y.to_vec(&other)?, |i| i as f32)?;
     let back = y.into_cudarc(&cb)?;
     let got = cb.clone_dtoh(&back)?;
@@ -139,11 +139,11 @@ fn round_trip() -> Result<(), Failed> {
 fn handoff_write_then_cudarc_read() -> Result<(), Failed> {
     let (dev, _ctx, _ca, cb) = cudarc_streams()?;
     let h = Stream::new(&dev)?;
-    let mut src = DeviceBuffer::<f32>::zeros(&h, N)?;
-    kernels::produce(&h, &mut src, 3)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&h, N)?;
+    let mut src = DeviceBuffer::<f32>::zeros(N, &h)?;
+    kernels::produce(&mut src, 3, &h)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &h)?;
     h.synchronize()?;
-    kernels::delayed_copy(&h, &src, &mut x, Duration::from_millis(300))?;
+    kernels::delayed_copy(&src, &mut x, Duration::from_millis(300), &h)?;
     let slice = x.into_cudarc(&cb)?;
     let got = cb.clone_dtoh(&slice)?;
     assert_all_eq("cudarc's copy", &got, |i| produced_value(i, 3))
@@ -157,12 +157,12 @@ fn cudarc_launch_on_handoff_buffers() -> Result<(), Failed> {
     let s = wrap(&ca, &dev)?;
     let f = ctx.load_module(Ptx::from_src(PTX))?.load_function("user_scale")?;
     let h = Stream::new(&dev)?;
-    let mut src = DeviceBuffer::<f32>::zeros(&h, N)?;
-    kernels::produce(&h, &mut src, 9)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&h, N)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, N)?;
+    let mut src = DeviceBuffer::<f32>::zeros(N, &h)?;
+    kernels::produce(&mut src, 9, &h)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &h)?;
+    let mut y = DeviceBuffer::<f32>::zeros(N, &s)?;
     h.synchronize()?;
-    kernels::delayed_copy(&h, &src, &mut x, Duration::from_millis(300))?;
+    kernels::delayed_copy(&src, &mut x, Duration::from_millis(300), &h)?;
     let (px, py, a, n) = (x.as_raw_ptr() as u64, y.as_raw_mut_ptr() as u64, 4.0f32, N as u64);
     let cfg = cudarc::driver::LaunchConfig::for_num_elems(N as u32);
     // SAFETY: user_scale(const float* x, float* y, float a, u64 n) reads x and writes y within

@@ -23,6 +23,11 @@ fn main() {
     common::run(vec![
         g.trial("a_then_b_on_one_stream_exact_values", 1, a_then_b_on_one_stream),
         g.trial(
+            "the_articles_kernels_on_views_of_one_buffer",
+            1,
+            articles_kernels_on_views,
+        ),
+        g.trial(
             "hazard_a_write_after_long_read_on_another_stream",
             1,
             hazard_write_after_long_read,
@@ -73,8 +78,8 @@ fn main() {
 }
 
 fn produced(stream: &Stream, n: usize, round: u32) -> Result<DeviceBuffer<f32>, Failed> {
-    let mut x = DeviceBuffer::zeros(stream, n)?;
-    kernels::produce(stream, &mut x, round)?;
+    let mut x = DeviceBuffer::zeros(n, stream)?;
+    kernels::produce(&mut x, round, stream)?;
     Ok(x)
 }
 
@@ -83,8 +88,8 @@ fn a_then_b_on_one_stream() -> Result<(), Failed> {
     println!("device 0: {}", dev.name()?);
     // The article's values first.
     let x = produced(&s, 4, 0)?;
-    let mut y = DeviceBuffer::zeros(&s, 4)?;
-    kernels::twice(&s, &x, &mut y)?;
+    let mut y = DeviceBuffer::zeros(4, &s)?;
+    kernels::twice(&x, &mut y, &s)?;
     let got = y.to_vec(&s)?;
     if got != [2.0, 4.0, 6.0, 8.0] {
         return Err(format!("y = {got:?}, want [2, 4, 6, 8]").into());
@@ -97,8 +102,8 @@ fn a_then_b_on_one_stream() -> Result<(), Failed> {
         (50_000_000, 11),
     ] {
         let x = produced(&s, n, round)?;
-        let mut y = DeviceBuffer::zeros(&s, n)?;
-        kernels::twice(&s, &x, &mut y)?;
+        let mut y = DeviceBuffer::zeros(n, &s)?;
+        kernels::twice(&x, &mut y, &s)?;
         assert_all_eq(&format!("y for n={n}"), &y.to_vec(&s)?, |i| {
             2.0 * produced_value(i, round)
         })?;
@@ -109,14 +114,63 @@ fn a_then_b_on_one_stream() -> Result<(), Failed> {
     Ok(())
 }
 
+/// The article's kernels on the two halves of one buffer (`split_at_mut`) and on a slice of
+/// another: each writes its own elements, at its view's offset, and no others.
+fn articles_kernels_on_views() -> Result<(), Failed> {
+    let (_dev, s, _) = common::gpu0_two_streams()?;
+    // Halves of an odd length, so that an offset taken in bytes or blocks instead of elements
+    // shows.
+    let n = 1003;
+    let mut whole = DeviceBuffer::<f32>::zeros(2 * n, &s)?;
+    {
+        let (mut a, mut b) = whole.split_at_mut(n)?;
+        kernels::produce(&mut b, 5, &s)?;
+        kernels::produce(&mut a, 3, &s)?;
+    }
+    assert_all_eq("both halves produced", &whole.to_vec(&s)?, |i| {
+        if i < n {
+            produced_value(i, 3)
+        } else {
+            produced_value(i - n, 5)
+        }
+    })?;
+    {
+        let (a, mut b) = whole.split_at_mut(n)?;
+        kernels::twice(&a, &mut b, &s)?;
+    }
+    assert_all_eq("b = 2a", &whole.to_vec(&s)?, |i| {
+        if i < n {
+            produced_value(i, 3)
+        } else {
+            2.0 * produced_value(i - n, 3)
+        }
+    })?;
+    {
+        let (mut a, b) = whole.split_at_mut(n)?;
+        kernels::delayed_copy(&b, &mut a, Duration::from_millis(1), &s)?;
+    }
+    assert_all_eq("a = b", &whole.to_vec(&s)?, |i| 2.0 * produced_value(i % n, 3))?;
+    // A slice that starts inside a buffer, read from another buffer's view.
+    let x = produced(&s, n, 9)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n + 7, &s)?;
+    kernels::twice(x.view(), y.slice_mut(7..)?, &s)?;
+    assert_all_eq("y[7..] = 2x", &y.to_vec(&s)?, |i| {
+        if i < 7 {
+            0.0
+        } else {
+            2.0 * produced_value(i - 7, 9)
+        }
+    })
+}
+
 /// (a) A long read on stream 1, then a write on stream 2: the reader must see the old values.
 fn hazard_write_after_long_read() -> Result<(), Failed> {
     let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1 << 16;
     let mut x = produced(&s1, n, 0)?;
-    let mut out = DeviceBuffer::zeros(&s1, n)?;
-    kernels::delayed_copy(&s1, &x, &mut out, LONG)?;
-    kernels::produce(&s2, &mut x, 1)?;
+    let mut out = DeviceBuffer::zeros(n, &s1)?;
+    kernels::delayed_copy(&x, &mut out, LONG, &s1)?;
+    kernels::produce(&mut x, 1, &s2)?;
     assert_all_eq("reader's copy", &out.to_vec(&s1)?, |i| produced_value(i, 0))?;
     assert_all_eq("x after the write", &x.to_vec(&s2)?, |i| produced_value(i, 1))
 }
@@ -129,8 +183,8 @@ fn hazard_drop_while_read() -> Result<(), Failed> {
     let x = produced(&s1, n, 0)?;
     s1.synchronize()?;
     let old_addr = x.as_raw_ptr() as usize;
-    let mut out = DeviceBuffer::zeros(&s1, n)?;
-    kernels::delayed_copy(&s1, &x, &mut out, LONG)?;
+    let mut out = DeviceBuffer::zeros(n, &s1)?;
+    kernels::delayed_copy(&x, &mut out, LONG, &s1)?;
     drop(x);
     // Let the (correctly or wrongly ordered) free be seen as done, so the pool may hand the
     // memory out again at once.
@@ -138,9 +192,9 @@ fn hazard_drop_while_read() -> Result<(), Failed> {
     let mut others = Vec::new();
     let mut reused = false;
     for k in 0..8 {
-        let mut b = DeviceBuffer::<f32>::zeros(&s2, n)?;
+        let mut b = DeviceBuffer::<f32>::zeros(n, &s2)?;
         reused |= b.as_raw_ptr() as usize == old_addr;
-        kernels::produce(&s2, &mut b, 1000 + k)?;
+        kernels::produce(&mut b, 1000 + k, &s2)?;
         others.push(b);
     }
     println!("freed memory handed out again while the reader waited: {reused}");
@@ -159,8 +213,8 @@ fn hazard_host_read_after_async_write() -> Result<(), Failed> {
     let n = 1 << 16;
     let mut x = produced(&s1, n, 0)?;
     s1.synchronize()?;
-    kernels::busy(&s1, LONG)?;
-    kernels::produce(&s1, &mut x, 5)?;
+    kernels::busy(LONG, &s1)?;
+    kernels::produce(&mut x, 5, &s1)?;
     assert_all_eq("host copy", &x.to_vec(&s2)?, |i| produced_value(i, 5))
 }
 
@@ -176,10 +230,10 @@ fn hazard_copy_from_pinned_slice_during_captures() -> Result<(), Failed> {
     const OVERWRITE: f32 = -1.0;
     let (dev, s, s2) = common::gpu0_two_streams()?;
     let n = 1 << 16;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, n)?;
-    let mut host = HostBuffer::<f32>::zeros(&dev, n)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &s)?;
+    let mut host = HostBuffer::<f32>::zeros(n, &dev)?;
     // Loaded before the threads start: a first launch must not wait for the other thread.
-    kernels::busy(&s, Duration::ZERO)?;
+    kernels::busy(Duration::ZERO, &s)?;
     s.synchronize()?;
     let stop = AtomicBool::new(false);
     let captures = AtomicUsize::new(0);
@@ -199,14 +253,14 @@ fn hazard_copy_from_pinned_slice_during_captures() -> Result<(), Failed> {
                 host.write()?.fill(value);
                 // The copy queues behind this kernel, so the DMA is still pending when the copy
                 // would return early. Refused while a capture is under way: try again.
-                while let Err(e) = kernels::busy(&s, Duration::from_millis(5)) {
+                while let Err(e) = kernels::busy(Duration::from_millis(5), &s) {
                     if !matches!(e, Error::Capture { .. }) {
                         return Err(e.into());
                     }
                 }
                 let r = {
                     let src = host.read()?;
-                    x.copy_from_slice(&s, &src)
+                    x.copy_from_slice(&src, &s)
                 };
                 // At once, as a caller may once the copy has returned.
                 host.write()?.fill(OVERWRITE);
@@ -266,11 +320,11 @@ fn write_waits_for_reads_on_two_streams() -> Result<(), Failed> {
     let s3 = Stream::new(&dev)?;
     let n = 1 << 16;
     let mut x = produced(&s1, n, 0)?;
-    let mut out1 = DeviceBuffer::zeros(&s1, n)?;
-    let mut out2 = DeviceBuffer::zeros(&s2, n)?;
-    kernels::delayed_copy(&s1, &x, &mut out1, LONG)?;
-    kernels::delayed_copy(&s2, &x, &mut out2, LONG / 10)?;
-    kernels::produce(&s3, &mut x, 9)?;
+    let mut out1 = DeviceBuffer::zeros(n, &s1)?;
+    let mut out2 = DeviceBuffer::zeros(n, &s2)?;
+    kernels::delayed_copy(&x, &mut out1, LONG, &s1)?;
+    kernels::delayed_copy(&x, &mut out2, LONG / 10, &s2)?;
+    kernels::produce(&mut x, 9, &s3)?;
     assert_all_eq("first reader", &out1.to_vec(&s1)?, |i| produced_value(i, 0))?;
     assert_all_eq("second reader", &out2.to_vec(&s2)?, |i| produced_value(i, 0))?;
     assert_all_eq("x", &x.to_vec(&s3)?, |i| produced_value(i, 9))
@@ -282,10 +336,10 @@ fn read_after_write_on_another_stream() -> Result<(), Failed> {
     let n = 1 << 16;
     let mut x = produced(&s1, n, 0)?;
     s1.synchronize()?;
-    let mut y = DeviceBuffer::zeros(&s2, n)?;
-    kernels::busy(&s1, LONG)?;
-    kernels::produce(&s1, &mut x, 3)?;
-    kernels::twice(&s2, &x, &mut y)?;
+    let mut y = DeviceBuffer::zeros(n, &s2)?;
+    kernels::busy(LONG, &s1)?;
+    kernels::produce(&mut x, 3, &s1)?;
+    kernels::twice(&x, &mut y, &s2)?;
     assert_all_eq("y", &y.to_vec(&s2)?, |i| 2.0 * produced_value(i, 3))
 }
 
@@ -296,8 +350,8 @@ fn stream_dropped_with_pending_work() -> Result<(), Failed> {
     let mut x = produced(&s1, n, 0)?;
     {
         let tmp = Stream::new(&dev)?;
-        kernels::busy(&tmp, LONG)?;
-        kernels::produce(&tmp, &mut x, 2)?;
+        kernels::busy(LONG, &tmp)?;
+        kernels::produce(&mut x, 2, &tmp)?;
         let t = Instant::now();
         drop(tmp);
         if t.elapsed() > LONG / 2 {
@@ -310,12 +364,12 @@ fn stream_dropped_with_pending_work() -> Result<(), Failed> {
 fn events_time_gpu_work() -> Result<(), Failed> {
     let (dev, s, _) = common::gpu0_two_streams()?;
     // The first launch in a process loads the kernels (JIT from PTX): keep it out of the timing.
-    kernels::busy(&s, Duration::ZERO)?;
+    kernels::busy(Duration::ZERO, &s)?;
     s.synchronize()?;
     let (start, end) = (Event::new(&dev)?, Event::new(&dev)?);
     let host = Instant::now();
     s.record(&start)?;
-    kernels::busy(&s, Duration::from_millis(50))?;
+    kernels::busy(Duration::from_millis(50), &s)?;
     s.record(&end)?;
     end.synchronize()?;
     let host_ms = host.elapsed().as_secs_f64() * 1e3;
@@ -339,19 +393,19 @@ fn events_time_gpu_work() -> Result<(), Failed> {
 
 fn zero_length_and_mismatched_lengths() -> Result<(), Failed> {
     let (_dev, s, _) = common::gpu0_two_streams()?;
-    let mut empty = DeviceBuffer::<f32>::zeros(&s, 0)?;
-    kernels::produce(&s, &mut empty, 1)?;
+    let mut empty = DeviceBuffer::<f32>::zeros(0, &s)?;
+    kernels::produce(&mut empty, 1, &s)?;
     if !empty.to_vec(&s)?.is_empty() || !empty.is_empty() {
         return Err("an empty buffer is not empty".into());
     }
     let x = produced(&s, 8, 0)?;
-    let mut y = DeviceBuffer::zeros(&s, 7)?;
-    match kernels::twice(&s, &x, &mut y) {
+    let mut y = DeviceBuffer::zeros(7, &s)?;
+    match kernels::twice(&x, &mut y, &s) {
         Err(Error::InvalidArgument(m)) => println!("rejected: {m}"),
         other => return Err(format!("twice with lengths 8 and 7 gave {other:?}").into()),
     }
-    let mut z = DeviceBuffer::<u32>::from_slice(&s, &[1, 2, 3])?;
-    match z.copy_from_slice(&s, &[1, 2]) {
+    let mut z = DeviceBuffer::<u32>::from_slice(&[1, 2, 3], &s)?;
+    match z.copy_from_slice(&[1, 2], &s) {
         Err(Error::InvalidArgument(_)) => {}
         other => return Err(format!("copy of 2 into 3 gave {other:?}").into()),
     }
@@ -368,7 +422,7 @@ fn buffer_of_another_device_is_rejected() -> Result<(), Failed> {
     let (d0, d1) = (Device::new(0)?, Device::new(1)?);
     let (s0, s1) = (Stream::new(&d0)?, Stream::new(&d1)?);
     let mut x = produced(&s0, 16, 0)?;
-    match kernels::produce(&s1, &mut x, 1) {
+    match kernels::produce(&mut x, 1, &s1) {
         Err(Error::InvalidArgument(m)) => println!("rejected: {m}"),
         other => return Err(format!("a device-0 buffer on a device-1 stream gave {other:?}").into()),
     }
@@ -386,7 +440,7 @@ fn blocking_copy_inside_a_capture() -> Result<(), Failed> {
             let e = |e: Error| e.to_string();
             let dev = Device::new(0).map_err(e)?;
             let (s, other) = (Stream::new(&dev).map_err(e)?, Stream::new(&dev).map_err(e)?);
-            let y = DeviceBuffer::from_slice(&other, &[3.0f32; 1024]).map_err(e)?;
+            let y = DeviceBuffer::from_slice(&[3.0f32; 1024], &other).map_err(e)?;
             other.synchronize().map_err(e)?;
             let mut seen = None;
             let captured = Graph::capture(&s, |_| {

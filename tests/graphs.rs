@@ -75,16 +75,16 @@ fn main() {
 fn kernels_replayed() -> Result<(), Failed> {
     let (_dev, s, _) = common::gpu0_two_streams()?;
     let n = 1001;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, n)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, n)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &s)?;
     let graph = Graph::capture(&s, |s| {
-        kernels::produce(s, &mut x, 7)?;
-        kernels::twice(s, &x, &mut y)
+        kernels::produce(&mut x, 7, s)?;
+        kernels::twice(&x, &mut y, s)
     })?;
     // Captured, not run.
     assert_all_eq("y before any replay", &y.to_vec(&s)?, |_| 0.0)?;
     for round in 0..100 {
-        kernels::produce(&s, &mut x, 1000 + round)?;
+        kernels::produce(&mut x, 1000 + round, &s)?;
         y.memset_zero(&s)?;
         graph.launch(&s)?;
         if round % 10 == 9 {
@@ -101,16 +101,16 @@ fn kernels_replayed() -> Result<(), Failed> {
 fn article_loop_replayed() -> Result<(), Failed> {
     let (_dev, comm) = common::one_rank(CommOptions::default())?;
     let s = Stream::new(comm.device())?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, 4)?;
-    let mut r = DeviceBuffer::<f32>::zeros(&s, 4)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 4)?;
-    let graph = Graph::capture_with(&s, comm, |s, comm| {
-        kernels::produce(s, &mut x, 3)?;
+    let mut x = DeviceBuffer::<f32>::zeros(4, &s)?;
+    let mut r = DeviceBuffer::<f32>::zeros(4, &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(4, &s)?;
+    let graph = Graph::capture_with(comm, &s, |s, comm| {
+        kernels::produce(&mut x, 3, s)?;
         group(|g| {
             g.send(comm, &x, 0, s)?;
             g.recv(comm, &mut r, 0, s)
         })?;
-        kernels::twice(s, &r, &mut y)
+        kernels::twice(&r, &mut y, s)
     })?;
     for round in 0..200 {
         r.memset_zero(&s)?;
@@ -141,22 +141,22 @@ fn figure3_round_replayed() -> Result<(), Failed> {
     let p = Stream::new(comm.device())?;
     let c = Stream::new(comm.device())?;
     let n = 1 << 16;
-    let mut a = DeviceBuffer::<f32>::zeros(&p, n)?;
-    let mut b = DeviceBuffer::<f32>::zeros(&c, n)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&c, n)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&p, n)?;
+    let mut a = DeviceBuffer::<f32>::zeros(n, &p)?;
+    let mut b = DeviceBuffer::<f32>::zeros(n, &c)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &c)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &p)?;
     let fork = Event::without_timing(comm.device())?;
-    let graph = Graph::capture_with(&p, comm, |p, comm| {
-        kernels::produce(p, &mut a, 3)?;
+    let graph = Graph::capture_with(comm, &p, |p, comm| {
+        kernels::produce(&mut a, 3, p)?;
         p.record(&fork)?;
         c.wait(&fork)?;
-        kernels::delayed_copy(&c, &a, &mut b, Duration::from_millis(20))?;
+        kernels::delayed_copy(&a, &mut b, Duration::from_millis(20), &c)?;
         group(|g| {
             g.send(comm, &b, 0, &c)?;
             g.recv(comm, &mut x, 0, &c)
         })?;
-        kernels::busy(p, Duration::from_micros(100))?;
-        kernels::twice(p, &x, &mut y)
+        kernels::busy(Duration::from_micros(100), p)?;
+        kernels::twice(&x, &mut y, p)
     })?;
     for round in 0..30 {
         x.memset_zero(&c)?;
@@ -172,7 +172,7 @@ fn figure3_round_replayed() -> Result<(), Failed> {
         .ok_or("the graph has its communicator")?
         .synchronize()?;
     // The communication stream is eager again.
-    kernels::produce(&c, &mut x, 5)?;
+    kernels::produce(&mut x, 5, &c)?;
     assert_all_eq("x written eagerly on c", &x.to_vec(&c)?, |i| produced_value(i, 5))?;
     match c.wait(&fork) {
         Err(Error::Capture { .. }) => Ok(()),
@@ -184,10 +184,10 @@ fn figure3_round_replayed() -> Result<(), Failed> {
 fn hazard_host_read_after_replay() -> Result<(), Failed> {
     let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1 << 16;
-    let mut x = DeviceBuffer::<f32>::zeros(&s1, n)?;
-    kernels::produce(&s1, &mut x, 5)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s1, n)?;
-    let graph = Graph::capture(&s1, |s| kernels::delayed_copy(s, &x, &mut y, LONG))?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &s1)?;
+    kernels::produce(&mut x, 5, &s1)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &s1)?;
+    let graph = Graph::capture(&s1, |s| kernels::delayed_copy(&x, &mut y, LONG, s))?;
     s1.synchronize()?;
     graph.launch(&s1)?;
     assert_all_eq("y read right after the replay", &y.to_vec(&s2)?, |i| {
@@ -199,13 +199,13 @@ fn hazard_host_read_after_replay() -> Result<(), Failed> {
 fn hazard_replay_then_write() -> Result<(), Failed> {
     let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1 << 16;
-    let mut x = DeviceBuffer::<f32>::zeros(&s1, n)?;
-    kernels::produce(&s1, &mut x, 0)?;
-    let mut out = DeviceBuffer::<f32>::zeros(&s1, n)?;
-    let graph = Graph::capture(&s1, |s| kernels::delayed_copy(s, &x, &mut out, LONG))?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &s1)?;
+    kernels::produce(&mut x, 0, &s1)?;
+    let mut out = DeviceBuffer::<f32>::zeros(n, &s1)?;
+    let graph = Graph::capture(&s1, |s| kernels::delayed_copy(&x, &mut out, LONG, s))?;
     s1.synchronize()?;
     graph.launch(&s1)?;
-    kernels::produce(&s2, &mut x, 1)?;
+    kernels::produce(&mut x, 1, &s2)?;
     assert_all_eq("the replay's copy", &out.to_vec(&s1)?, |i| produced_value(i, 0))?;
     assert_all_eq("x after the write", &x.to_vec(&s2)?, |i| produced_value(i, 1))
 }
@@ -214,11 +214,11 @@ fn hazard_replay_then_write() -> Result<(), Failed> {
 /// is refused before anything is queued, and the graph's other buffers are untouched.
 fn dropped_buffer() -> Result<(), Failed> {
     let (_dev, s, _) = common::gpu0_two_streams()?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, 1000)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 1000)?;
+    let mut x = DeviceBuffer::<f32>::zeros(1000, &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1000, &s)?;
     let graph = Graph::capture(&s, |s| {
-        kernels::produce(s, &mut x, 2)?;
-        kernels::twice(s, &x, &mut y)
+        kernels::produce(&mut x, 2, s)?;
+        kernels::twice(&x, &mut y, s)
     })?;
     graph.launch(&s)?;
     drop(x);
@@ -234,11 +234,11 @@ fn dropped_buffer() -> Result<(), Failed> {
 /// communicator on another stream are refused before any CUDA call, so the capture goes on.
 fn refusals() -> Result<(), Failed> {
     let (dev, s, s2) = common::gpu0_two_streams()?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, 8)?;
-    let mut host = HostBuffer::<f32>::zeros(&dev, 8)?;
+    let mut x = DeviceBuffer::<f32>::zeros(8, &s)?;
+    let mut host = HostBuffer::<f32>::zeros(8, &dev)?;
     let event = Event::new(&dev)?;
     let (_, other) = common::one_rank(CommOptions::default())?;
-    let mut r = DeviceBuffer::<f32>::zeros(&s, 8)?;
+    let mut r = DeviceBuffer::<f32>::zeros(8, &s)?;
     let mut seen = Vec::new();
     let mut expect = |what: &str, r: handoff::Result<()>| match r {
         Err(Error::Capture { detail }) => {
@@ -250,10 +250,10 @@ fn refusals() -> Result<(), Failed> {
         ))),
     };
     let graph = Graph::capture(&s, |s| {
-        expect("allocation", DeviceBuffer::<f32>::zeros(s, 8).map(drop))?;
+        expect("allocation", DeviceBuffer::<f32>::zeros(8, s).map(drop))?;
         expect("to_vec", x.to_vec(s).map(drop))?;
-        expect("copy_from_slice", x.copy_from_slice(s, &[1.0; 8]))?;
-        expect("pinned copy", x.copy_to_host(&mut host, s))?;
+        expect("copy_from_slice", x.copy_from_slice(&[1.0; 8], s))?;
+        expect("pinned copy", host.copy_from_device(&x, s))?;
         // A wait inside the capture for an event recorded outside it (here: never recorded).
         expect("wait", s.wait(&event))?;
         expect(
@@ -263,11 +263,11 @@ fn refusals() -> Result<(), Failed> {
                 g.recv(&other, &mut r, 0, s)
             }),
         )?;
-        kernels::produce(s, &mut x, 9)
+        kernels::produce(&mut x, 9, s)
     })?;
     let (_, comm) = common::one_rank(CommOptions::default())?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 8)?;
-    let g2 = Graph::capture_with(&s, comm, |s, comm| {
+    let mut y = DeviceBuffer::<f32>::zeros(8, &s)?;
+    let g2 = Graph::capture_with(comm, &s, |s, comm| {
         expect(
             "the graph's communicator on a stream not joined to the capture",
             group(|g| {
@@ -275,7 +275,7 @@ fn refusals() -> Result<(), Failed> {
                 g.recv(comm, &mut y, 0, &s2)
             }),
         )?;
-        kernels::twice(s, &x, &mut y)
+        kernels::twice(&x, &mut y, s)
     })?;
     for line in &seen {
         println!("{line}");
@@ -299,13 +299,13 @@ fn refusals() -> Result<(), Failed> {
 /// runs nor slips into A's graph.
 fn another_thread() -> Result<(), Failed> {
     let (_dev, s, _) = common::gpu0_two_streams()?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, 64)?;
-    let mut z = DeviceBuffer::<f32>::zeros(&s, 64)?;
+    let mut x = DeviceBuffer::<f32>::zeros(64, &s)?;
+    let mut z = DeviceBuffer::<f32>::zeros(64, &s)?;
     let mut from_b = None;
     let graph = Graph::capture(&s, |s| {
-        kernels::produce(s, &mut x, 1)?;
+        kernels::produce(&mut x, 1, s)?;
         from_b = Some(std::thread::scope(|t| {
-            t.spawn(|| kernels::produce(s, &mut z, 2))
+            t.spawn(|| kernels::produce(&mut z, 2, s))
                 .join()
                 .expect("no panic")
         }));
@@ -328,9 +328,9 @@ fn captured_on_one_rank_only() -> Result<(), Failed> {
         let rank = comm.rank();
         let run = || -> handoff::Result<()> {
             let s = Stream::new(comm.device())?;
-            let mut a = DeviceBuffer::<f32>::zeros(&s, 256)?;
+            let mut a = DeviceBuffer::<f32>::zeros(256, &s)?;
             if rank == 0 {
-                Graph::capture_with(&s, comm, |s, comm| comm.send(&a, 1, s)).map(drop)
+                Graph::capture_with(comm, &s, |s, comm| comm.send(&a, 1, s)).map(drop)
             } else {
                 comm.recv(&mut a, 0, &s)
             }
@@ -367,9 +367,9 @@ fn replaying_alone() -> Result<(), Failed> {
         let rank = comm.rank();
         let run = || -> handoff::Result<String> {
             let s = Stream::new(comm.device())?;
-            let mut a = DeviceBuffer::<f32>::zeros(&s, 1024)?;
+            let mut a = DeviceBuffer::<f32>::zeros(1024, &s)?;
             one_way(&comm, &mut a, &s)?;
-            let graph = Graph::capture_with(&s, comm, |s, comm| one_way(comm, &mut a, s))?;
+            let graph = Graph::capture_with(comm, &s, |s, comm| one_way(comm, &mut a, s))?;
             if rank == 1 {
                 return Ok("rank 1 captured and never replayed".into());
             }
@@ -416,11 +416,11 @@ fn replays_in_different_orders() -> Result<(), Failed> {
             let comm_b = comm_a.split(Some(0), rank as i32)?.expect("colored");
             let s = Stream::new(comm_a.device())?;
             let n = 4096;
-            let mut a = DeviceBuffer::<f32>::zeros(&s, n)?;
-            let mut b = DeviceBuffer::<f32>::zeros(&s, n)?;
+            let mut a = DeviceBuffer::<f32>::zeros(n, &s)?;
+            let mut b = DeviceBuffer::<f32>::zeros(n, &s)?;
             if rank == 0 {
-                kernels::produce(&s, &mut a, 11)?;
-                kernels::produce(&s, &mut b, 22)?;
+                kernels::produce(&mut a, 11, &s)?;
+                kernels::produce(&mut b, 22, &s)?;
             }
             // NCCL connects peers on their first transfer, which it cannot do in a capture.
             for (comm, buf) in [(&comm_a, &mut a), (&comm_b, &mut b)] {
@@ -432,7 +432,7 @@ fn replays_in_different_orders() -> Result<(), Failed> {
             }
             let mut graphs = Vec::new();
             for (comm, buf) in [(comm_a, &mut a), (comm_b, &mut b)] {
-                graphs.push(Graph::capture_with(&s, comm, |s, comm| one_way(comm, buf, s))?);
+                graphs.push(Graph::capture_with(comm, &s, |s, comm| one_way(comm, buf, s))?);
             }
             let order: [usize; 2] = if rank == 0 { [0, 1] } else { [1, 0] };
             let t = Instant::now();

@@ -63,8 +63,8 @@ fn main() {
 
 /// `x = produced_value(i, round)`, finished on the GPU before the timed part of a test.
 fn produced(s: &Stream, n: usize, round: u32) -> Result<DeviceBuffer<f32>, Failed> {
-    let mut x = DeviceBuffer::<f32>::zeros(s, n)?;
-    kernels::produce(s, &mut x, round)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, s)?;
+    kernels::produce(&mut x, round, s)?;
     s.synchronize()?;
     Ok(x)
 }
@@ -75,21 +75,21 @@ fn produced(s: &Stream, n: usize, round: u32) -> Result<DeviceBuffer<f32>, Faile
 fn host_read_right_after_copy_in() -> Result<(), Failed> {
     let (dev, s, _) = common::gpu0_two_streams()?;
     let x = produced(&s, N, 3)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, N)?;
-    let mut host = HostBuffer::<f32>::zeros(&dev, N)?;
+    let mut y = DeviceBuffer::<f32>::zeros(N, &s)?;
+    let mut host = HostBuffer::<f32>::zeros(N, &dev)?;
     s.synchronize()?;
-    kernels::delayed_copy(&s, &x, &mut y, LONG)?;
+    kernels::delayed_copy(&x, &mut y, LONG, &s)?;
     let queued = Instant::now();
-    y.copy_to_host(&mut host, &s)?;
+    host.copy_from_device(&y, &s)?;
     let returned = queued.elapsed();
     let got = host.read()?;
     println!(
-        "copy_to_host returned in {returned:?}; read() after {:?}",
+        "copy_from_device returned in {returned:?}; read() after {:?}",
         queued.elapsed()
     );
     assert_all_eq("host after read()", &got, |i| produced_value(i, 3))?;
     if returned >= LONG {
-        return Err(format!("copy_to_host blocked for {returned:?}: it must return at once").into());
+        return Err(format!("copy_from_device blocked for {returned:?}: it must return at once").into());
     }
     Ok(())
 }
@@ -99,10 +99,10 @@ fn host_read_right_after_copy_in() -> Result<(), Failed> {
 fn copy_to_host_after_late_write() -> Result<(), Failed> {
     let (dev, s1, s2) = common::gpu0_two_streams()?;
     let x = produced(&s1, N, 5)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s1, N)?;
-    let mut host = HostBuffer::<f32>::zeros(&dev, N)?;
+    let mut y = DeviceBuffer::<f32>::zeros(N, &s1)?;
+    let mut host = HostBuffer::<f32>::zeros(N, &dev)?;
     s1.synchronize()?;
-    kernels::delayed_copy(&s1, &x, &mut y, LONG)?;
+    kernels::delayed_copy(&x, &mut y, LONG, &s1)?;
     host.copy_from_device(&y, &s2)?;
     assert_all_eq("host after read()", &host.read()?, |i| produced_value(i, 5))
 }
@@ -113,10 +113,10 @@ fn copy_to_host_after_late_write() -> Result<(), Failed> {
 fn host_write_right_after_copy_out() -> Result<(), Failed> {
     let (dev, s, _) = common::gpu0_two_streams()?;
     let old: Vec<f32> = (0..N).map(|i| i as f32).collect();
-    let mut host = HostBuffer::from_slice(&dev, &old)?;
-    let mut d = DeviceBuffer::<f32>::zeros(&s, N)?;
+    let mut host = HostBuffer::from_slice(&old, &dev)?;
+    let mut d = DeviceBuffer::<f32>::zeros(N, &s)?;
     s.synchronize()?;
-    kernels::busy(&s, LONG)?;
+    kernels::busy(LONG, &s)?;
     d.copy_from_host(&host, &s)?;
     let t = Instant::now();
     host.write()?.fill(-1.0);
@@ -131,12 +131,12 @@ fn host_write_right_after_copy_out() -> Result<(), Failed> {
 fn copy_in_while_copied_out_on_another_stream() -> Result<(), Failed> {
     let (dev, s1, s2) = common::gpu0_two_streams()?;
     let d2 = produced(&s2, N, 9)?;
-    let mut host = HostBuffer::from_slice(&dev, &(0..N).map(|i| -(i as f32)).collect::<Vec<_>>())?;
-    let mut d1 = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    let mut host = HostBuffer::from_slice(&(0..N).map(|i| -(i as f32)).collect::<Vec<_>>(), &dev)?;
+    let mut d1 = DeviceBuffer::<f32>::zeros(N, &s1)?;
     s1.synchronize()?;
-    kernels::busy(&s1, LONG)?;
+    kernels::busy(LONG, &s1)?;
     d1.copy_from_host(&host, &s1)?;
-    d2.copy_to_host(&mut host, &s2)?;
+    host.copy_from_device(&d2, &s2)?;
     assert_all_eq("d1, copied out first", &d1.to_vec(&s1)?, |i| -(i as f32))?;
     assert_all_eq("host, copied in second", &host.read()?, |i| produced_value(i, 9))
 }
@@ -150,11 +150,11 @@ fn copy_in_while_copied_out_on_another_stream() -> Result<(), Failed> {
 fn drop_right_after_queued_copies() -> Result<(), Failed> {
     let (dev, s, _) = common::gpu0_two_streams()?;
     // Out of a host buffer, then drop it.
-    let host = HostBuffer::from_slice(&dev, &(0..N).map(|i| 2.0 * i as f32).collect::<Vec<_>>())?;
+    let host = HostBuffer::from_slice(&(0..N).map(|i| 2.0 * i as f32).collect::<Vec<_>>(), &dev)?;
     let old_addr = host.as_raw_ptr() as usize;
-    let mut d = DeviceBuffer::<f32>::zeros(&s, N)?;
+    let mut d = DeviceBuffer::<f32>::zeros(N, &s)?;
     s.synchronize()?;
-    kernels::busy(&s, LONG)?;
+    kernels::busy(LONG, &s)?;
     d.copy_from_host(&host, &s)?;
     let t = Instant::now();
     drop(host);
@@ -165,7 +165,7 @@ fn drop_right_after_queued_copies() -> Result<(), Failed> {
     let mut reused = false;
     let mut others = Vec::new();
     for _ in 0..4 {
-        let other = HostBuffer::from_slice(&dev, &vec![-1.0f32; N])?;
+        let other = HostBuffer::from_slice(&vec![-1.0f32; N], &dev)?;
         reused |= other.as_raw_ptr() as usize == old_addr && !s.is_idle()?;
         others.push(other);
     }
@@ -182,9 +182,9 @@ fn drop_right_after_queued_copies() -> Result<(), Failed> {
     }
     // Into a host buffer, then free() it: it waits, and reports.
     let x = produced(&s, N, 2)?;
-    let mut host = HostBuffer::<f32>::zeros(&dev, N)?;
-    kernels::busy(&s, LONG)?;
-    x.copy_to_host(&mut host, &s)?;
+    let mut host = HostBuffer::<f32>::zeros(N, &dev)?;
+    kernels::busy(LONG, &s)?;
+    host.copy_from_device(&x, &s)?;
     let t = Instant::now();
     host.free()?;
     let idle = s.is_idle()?;
@@ -208,8 +208,8 @@ fn cache_reuses_memory_once_its_copies_are_done() -> Result<(), Failed> {
     let (dev, s, _) = common::gpu0_two_streams()?;
     let n = (3 << 22) / std::mem::size_of::<f32>(); // 12 MiB: the 16 MiB class
     let x = produced(&s, n, 4)?;
-    let mut host = HostBuffer::<f32>::zeros(&dev, n)?;
-    x.copy_to_host(&mut host, &s)?;
+    let mut host = HostBuffer::<f32>::zeros(n, &dev)?;
+    host.copy_from_device(&x, &s)?;
     assert_all_eq("host", &host.read()?, |i| produced_value(i, 4))?;
     let addr = host.as_raw_ptr() as usize;
     drop(host);
@@ -219,7 +219,7 @@ fn cache_reuses_memory_once_its_copies_are_done() -> Result<(), Failed> {
         return Err(format!("after dropping a 12 MiB buffer, {cached} bytes are cached").into());
     }
     // Smaller, of the same class: the same block, with the new contents.
-    let again = HostBuffer::from_slice(&dev, &vec![7u32; n - 5])?;
+    let again = HostBuffer::from_slice(&vec![7u32; n - 5], &dev)?;
     if again.as_raw_ptr() as usize != addr {
         return Err("a buffer of the same size class did not reuse the cached block".into());
     }
@@ -230,13 +230,13 @@ fn cache_reuses_memory_once_its_copies_are_done() -> Result<(), Failed> {
 fn round_trips() -> Result<(), Failed> {
     let (dev, s1, s2) = common::gpu0_two_streams()?;
     let n = 1000;
-    let src = HostBuffer::from_slice(&dev, &(0..n).map(|i| i as u32 * 7).collect::<Vec<_>>())?;
-    let mut d = DeviceBuffer::<u32>::zeros(&s1, 3 * n)?;
+    let src = HostBuffer::from_slice(&(0..n).map(|i| i as u32 * 7).collect::<Vec<_>>(), &dev)?;
+    let mut d = DeviceBuffer::<u32>::zeros(3 * n, &s1)?;
     d.slice_mut(n..2 * n)?.copy_from_host(&src, &s1)?;
-    let mut back = HostBuffer::<u32>::zeros(&dev, n)?;
-    d.slice(n..2 * n)?.copy_to_host(&mut back, &s2)?;
+    let mut back = HostBuffer::<u32>::zeros(n, &dev)?;
+    back.copy_from_device(d.slice(n..2 * n)?, &s2)?;
     assert_all_eq("middle third, back", &back.read()?, |i| i as u32 * 7)?;
-    let mut whole = HostBuffer::<u32>::zeros(&dev, 3 * n)?;
+    let mut whole = HostBuffer::<u32>::zeros(3 * n, &dev)?;
     whole.copy_from_device(&d, &s2)?;
     {
         let got = whole.read()?;
@@ -256,17 +256,17 @@ fn round_trips() -> Result<(), Failed> {
 
 fn zero_length_and_mismatched_lengths() -> Result<(), Failed> {
     let (dev, s, _) = common::gpu0_two_streams()?;
-    let mut h0 = HostBuffer::<f32>::zeros(&dev, 0)?;
-    let mut d0 = DeviceBuffer::<f32>::zeros(&s, 0)?;
-    d0.copy_to_host(&mut h0, &s)?;
+    let mut h0 = HostBuffer::<f32>::zeros(0, &dev)?;
+    let mut d0 = DeviceBuffer::<f32>::zeros(0, &s)?;
+    h0.copy_from_device(&d0, &s)?;
     d0.copy_from_host(&h0, &s)?;
     if !h0.read()?.is_empty() || !h0.write()?.is_empty() {
         return Err("a zero-length host buffer has elements".into());
     }
     h0.free()?;
-    let mut h = HostBuffer::<f32>::zeros(&dev, 10)?;
-    let mut d = DeviceBuffer::<f32>::zeros(&s, 11)?;
-    match d.copy_to_host(&mut h, &s) {
+    let mut h = HostBuffer::<f32>::zeros(10, &dev)?;
+    let mut d = DeviceBuffer::<f32>::zeros(11, &s)?;
+    match h.copy_from_device(&d, &s) {
         Err(Error::InvalidArgument(m)) => println!("refused: {m}"),
         other => return Err(format!("a copy to the host of another length gave {other:?}").into()),
     }

@@ -286,10 +286,10 @@ fn device() -> Device {
 
 fn self_group(stubs: &Stubs, options: CommOptions, what: &str, want: &Expected) -> Result<(), Failed> {
     let dev = device();
-    let comm = &Communicator::init_all_with(std::slice::from_ref(&dev), options)?[0];
+    let comm = &Communicator::init_all_with(options, std::slice::from_ref(&dev))?[0];
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let x = DeviceBuffer::from_slice(&[1.0f32], &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1, &s)?;
     let got = measure(stubs, Watched::WhileRunning, |_| {
         group(|g| {
             g.send(comm, &x, 0, &s)?;
@@ -351,8 +351,8 @@ fn all_reduce(stubs: &Stubs) -> Result<(), Failed> {
     let dev = device();
     let comm = &Communicator::init_all(std::slice::from_ref(&dev))?[0];
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let x = DeviceBuffer::from_slice(&[1.0f32], &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1, &s)?;
     let got = measure(stubs, Watched::WhileRunning, |_| {
         comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
     });
@@ -374,8 +374,8 @@ const ALL_REDUCE: Expected = Expected {
 fn produce(stubs: &Stubs) -> Result<(), Failed> {
     let dev = device();
     let s = Stream::new(&dev)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, 4)?;
-    let got = measure(stubs, Watched::No, |round| kernels::produce(&s, &mut x, round));
+    let mut x = DeviceBuffer::<f32>::zeros(4, &s)?;
+    let got = measure(stubs, Watched::No, |round| kernels::produce(&mut x, round, &s));
     check("kernels::produce", &got, &PRODUCE)
 }
 
@@ -396,8 +396,8 @@ const PRODUCE: Expected = Expected {
 fn kernel_graph(stubs: &Stubs) -> Result<(), Failed> {
     let dev = device();
     let s = Stream::new(&dev)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, 4)?;
-    let graph = Graph::capture(&s, |s| kernels::produce(s, &mut x, 1))?;
+    let mut x = DeviceBuffer::<f32>::zeros(4, &s)?;
+    let graph = Graph::capture(&s, |s| kernels::produce(&mut x, 1, s))?;
     let got = measure(stubs, Watched::No, |_| graph.launch(&s));
     check("graph launch (one kernel)", &got, &KERNEL_GRAPH)
 }
@@ -417,9 +417,9 @@ fn nccl_graph(stubs: &Stubs) -> Result<(), Failed> {
         .pop()
         .expect("one rank");
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
-    let graph = Graph::capture_with(&s, comm, |s, c| {
+    let x = DeviceBuffer::from_slice(&[1.0f32], &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1, &s)?;
+    let graph = Graph::capture_with(comm, &s, |s, c| {
         group(|g| {
             g.send(c, &x, 0, s)?;
             g.recv(c, &mut y, 0, s)
@@ -451,10 +451,10 @@ fn all_reduce_after_a_replay(stubs: &Stubs) -> Result<(), Failed> {
     let dev = device();
     let comm = &Communicator::init_all(std::slice::from_ref(&dev))?[0];
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
-    let mut z = DeviceBuffer::<f32>::zeros(&s, 4)?;
-    let graph = Graph::capture(&s, |s| kernels::produce(s, &mut z, 1))?;
+    let x = DeviceBuffer::from_slice(&[1.0f32], &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1, &s)?;
+    let mut z = DeviceBuffer::<f32>::zeros(4, &s)?;
+    let graph = Graph::capture(&s, |s| kernels::produce(&mut z, 1, s))?;
     let got = measure(stubs, Watched::WhileRunning, |_| {
         graph.launch(&s)?;
         comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)
@@ -490,9 +490,9 @@ fn capture_across_streams(stubs: &Stubs) -> Result<(), Failed> {
         .pop()
         .expect("one rank");
     let (p, c, q) = (Stream::new(&dev)?, Stream::new(&dev)?, Stream::new(&dev)?);
-    let mut a = DeviceBuffer::<f32>::zeros(&p, 4)?;
-    let mut x = DeviceBuffer::<f32>::zeros(&c, 4)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&p, 4)?;
+    let mut a = DeviceBuffer::<f32>::zeros(4, &p)?;
+    let mut x = DeviceBuffer::<f32>::zeros(4, &c)?;
+    let mut y = DeviceBuffer::<f32>::zeros(4, &p)?;
     let outside = handoff::Event::without_timing(&dev)?;
     q.record(&outside)?;
     let fork = handoff::Event::without_timing(&dev)?;
@@ -508,8 +508,8 @@ fn capture_across_streams(stubs: &Stubs) -> Result<(), Failed> {
     let mut dropped_handle = None;
     let mut reused = false;
     let w0 = waits();
-    let graph = Graph::capture_with(&p, comm, |p, comm| {
-        kernels::produce(p, &mut a, 1)?;
+    let graph = Graph::capture_with(comm, &p, |p, comm| {
+        kernels::produce(&mut a, 1, p)?;
         p.record(&fork)?;
         // Inside the capture, no wait for what is outside it.
         inside.push(("a wait for an event recorded outside", p.wait(&outside).err()));
@@ -517,7 +517,7 @@ fn capture_across_streams(stubs: &Stubs) -> Result<(), Failed> {
         // Joined: another thread's work there is refused, and so is its joining.
         std::thread::scope(|t| {
             let other = t
-                .spawn(|| kernels::produce(&c, &mut x, 9).err())
+                .spawn(|| kernels::produce(&mut x, 9, &c).err())
                 .join()
                 .expect("thread");
             inside.push(("another thread's work on a joined stream", other));
@@ -536,8 +536,8 @@ fn capture_across_streams(stubs: &Stubs) -> Result<(), Failed> {
             g.send(comm, &a, 0, &c)?;
             g.recv(comm, &mut x, 0, &c)
         })?;
-        kernels::busy(p, Duration::ZERO)?;
-        kernels::twice(p, &x, &mut y)
+        kernels::busy(Duration::ZERO, p)?;
+        kernels::twice(&x, &mut y, p)
     })?;
     let captured_waits = waits() - w0;
     if reused {
@@ -569,7 +569,7 @@ fn capture_across_streams(stubs: &Stubs) -> Result<(), Failed> {
         graph.launch(&p)?;
     }
     // After the capture: c runs eagerly again, and the fork event must be recorded anew.
-    kernels::produce(&c, &mut x, 2)?;
+    kernels::produce(&mut x, 2, &c)?;
     match q.wait(&fork) {
         Err(handoff::Error::Capture { detail }) if detail.contains("has ended") => {}
         other => return Err(format!("a wait for an event of an ended capture: {other:?}").into()),
@@ -578,7 +578,7 @@ fn capture_across_streams(stubs: &Stubs) -> Result<(), Failed> {
     let comm2 = Communicator::init_all(std::slice::from_ref(&dev))?
         .pop()
         .expect("one rank");
-    let spanning = Graph::capture_with(&p, comm2, |p, comm| {
+    let spanning = Graph::capture_with(comm2, &p, |p, comm| {
         group(|g| {
             g.send(comm, &a, 0, p)?;
             g.recv(comm, &mut x, 0, &c)
@@ -596,7 +596,7 @@ fn pinned_slabs(stubs: &Stubs) -> Result<(), Failed> {
     let dev = device();
     let before = stubs.snapshot();
     let live: Vec<_> = (0..16)
-        .map(|_| handoff::HostBuffer::<f32>::zeros(&dev, 200))
+        .map(|_| handoff::HostBuffer::<f32>::zeros(200, &dev))
         .collect::<handoff::Result<_>>()?;
     let calls = stubs.snapshot().since(&before);
     let mallocs = calls.calls.get("cudaMallocHost").copied().unwrap_or(0);
@@ -618,24 +618,24 @@ fn two_devices(stubs: &Stubs) -> Result<(), Failed> {
     stubs.set_devices(2);
     let (d0, d1) = (Device::new(0)?, Device::new(1)?);
     let (s0, s1) = (Stream::new(&d0)?, Stream::new(&d1)?);
-    let mut x = DeviceBuffer::<f32>::zeros(&s0, 4)?;
+    let mut x = DeviceBuffer::<f32>::zeros(4, &s0)?;
     let run = |label: &str, f: &mut dyn FnMut() -> handoff::Result<()>| -> Result<Snapshot, Failed> {
         let before = stubs.snapshot();
         f().map_err(|e| format!("{label}: {e}"))?;
         Ok(stubs.snapshot().since(&before))
     };
     let calls = |s: &Snapshot, name: &str| s.calls.get(name).copied().unwrap_or(0);
-    kernels::produce(&s0, &mut x, 0)?;
+    kernels::produce(&mut x, 0, &s0)?;
     d1.set_current()?;
-    let switched = run("a launch from device 1", &mut || kernels::produce(&s0, &mut x, 1))?;
-    let stayed = run("a launch from device 0", &mut || kernels::produce(&s0, &mut x, 2))?;
+    let switched = run("a launch from device 1", &mut || kernels::produce(&mut x, 1, &s0))?;
+    let stayed = run("a launch from device 0", &mut || kernels::produce(&mut x, 2, &s0))?;
     println!("two devices: a launch on device 0 from device 1: {switched:?}; again: {stayed:?}");
     if calls(&switched, "cudaSetDevice") != 1 || calls(&stayed, "cudaSetDevice") != 0 {
         return Err("a kernel launch must make its stream's device current, once".into());
     }
     // NCCL on device 0 while device 1 is current: no device calls of handoff's.
     let comm = &Communicator::init_all(std::slice::from_ref(&d0))?[0];
-    let mut y = DeviceBuffer::<f32>::zeros(&s0, 4)?;
+    let mut y = DeviceBuffer::<f32>::zeros(4, &s0)?;
     d1.set_current()?;
     let nccl = run("an all_reduce", &mut || {
         comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s0)
@@ -644,8 +644,8 @@ fn two_devices(stubs: &Stubs) -> Result<(), Failed> {
         return Err(format!("an NCCL operation asked or set the device: {nccl:?}").into());
     }
     // A peer copy captured: b (device 0) from a (device 1).
-    let a = DeviceBuffer::from_slice(&s1, &[1.0f32, 2.0, 3.0, 4.0])?;
-    let mut b = DeviceBuffer::<f32>::zeros(&s0, 4)?;
+    let a = DeviceBuffer::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &s1)?;
+    let mut b = DeviceBuffer::<f32>::zeros(4, &s0)?;
     let graph = Graph::capture(&s0, |s| b.copy_from(&a, s))?;
     for _ in 0..3 {
         graph
@@ -669,8 +669,8 @@ fn failed_record_after_nccl_work(stubs: &Stubs) -> Result<(), Failed> {
     let dev = device();
     let comms = Communicator::init_all(std::slice::from_ref(&dev))?;
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let x = DeviceBuffer::from_slice(&[1.0f32], &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1, &s)?;
     stubs.call("cudart_stub_block_syncs", 1);
     stubs.call("cudart_stub_fail_event_records", 1);
     let (done, finished) = std::sync::mpsc::channel();
@@ -698,8 +698,8 @@ fn watchdog_queries(stubs: &Stubs) -> Result<(), Failed> {
     let dev = device();
     let comm = &Communicator::init_all(std::slice::from_ref(&dev))?[0];
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let x = DeviceBuffer::from_slice(&[1.0f32], &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1, &s)?;
     let mut op = || comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s);
     op()?;
     std::thread::sleep(SETTLE);
@@ -785,8 +785,8 @@ fn child_watchdog_max_timeout(stubs: &Stubs) -> Result<(), Failed> {
     comms[0].set_timeout(Duration::MAX);
     let comm = &comms[0];
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[1.0f32])?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 1)?;
+    let x = DeviceBuffer::from_slice(&[1.0f32], &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1, &s)?;
     // Queued and "running": the watchdog logs each look at it.
     stubs.set_event_query(NOT_READY);
     comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)?;

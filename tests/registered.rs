@@ -80,8 +80,8 @@ fn values() -> Vec<f32> {
 fn round_trip() -> Result<(), Failed> {
     let (dev, comm) = common::one_rank(CommOptions::default())?;
     let s = Stream::new(&dev)?;
-    let a = DeviceBuffer::from_slice_nccl(&s, &values())?;
-    let mut b = DeviceBuffer::<f32>::zeros_nccl(&s, N)?;
+    let a = DeviceBuffer::from_slice_nccl(&values(), &s)?;
+    let mut b = DeviceBuffer::<f32>::zeros_nccl(N, &s)?;
     if !a.is_nccl_alloc() || !b.is_nccl_alloc() {
         return Err("zeros_nccl/from_slice_nccl gave pool memory".into());
     }
@@ -90,7 +90,7 @@ fn round_trip() -> Result<(), Failed> {
         g.recv(&comm, &mut b, 0, &s)
     })?;
     assert_all_eq("self send/receive", &b.to_vec(&s)?, value)?;
-    let mut c = DeviceBuffer::<f32>::zeros_nccl(&s, N)?;
+    let mut c = DeviceBuffer::<f32>::zeros_nccl(N, &s)?;
     comm.all_reduce(&b, &mut c, ReduceOp::Sum, &s)?;
     assert_all_eq("all_reduce of one rank", &c.to_vec(&s)?, value)?;
     Ok(())
@@ -104,10 +104,10 @@ fn registered_paths() -> Result<(), Failed> {
         };
         let (dev, comm) = common::one_rank(options)?;
         let s = Stream::new(&dev)?;
-        let mut a = DeviceBuffer::from_slice_nccl(&s, &values())?;
-        let mut b = DeviceBuffer::<f32>::zeros_nccl(&s, N)?;
-        let mut w_in = DeviceBuffer::from_slice_nccl(&s, &values())?;
-        let mut w_out = DeviceBuffer::<f32>::zeros_nccl(&s, N)?;
+        let mut a = DeviceBuffer::from_slice_nccl(&values(), &s)?;
+        let mut b = DeviceBuffer::<f32>::zeros_nccl(N, &s)?;
+        let mut w_in = DeviceBuffer::from_slice_nccl(&values(), &s)?;
+        let mut w_out = DeviceBuffer::<f32>::zeros_nccl(N, &s)?;
         println!(
             "policy {policy:?}: registering {:p} and {:p}, windows {:p} and {:p}",
             a.as_raw_ptr(),
@@ -134,8 +134,8 @@ fn registered_paths() -> Result<(), Failed> {
         comm.all_gather(wi.view(), wo.view_mut(), &s)?;
         assert_all_eq("all_gather over windows", &wo.to_vec(&s)?, value)?;
         // A kernel writes the window, a copy reads it.
-        let mut produced = DeviceBuffer::<f32>::zeros(&s, N)?;
-        kernels::produce(&s, &mut produced, 7)?;
+        let mut produced = DeviceBuffer::<f32>::zeros(N, &s)?;
+        kernels::produce(&mut produced, 7, &s)?;
         wo.view_mut().copy_from(&produced, &s)?;
         comm.all_reduce_in_place(wo.view_mut(), ReduceOp::Max, &s)?;
         assert_all_eq(
@@ -158,20 +158,20 @@ fn registered_paths() -> Result<(), Failed> {
 fn dropped_behind_work(window: bool) -> Result<(), Failed> {
     let (dev, comm) = common::one_rank(CommOptions::default())?;
     let s = Stream::new(&dev)?;
-    let mut a = DeviceBuffer::from_slice_nccl(&s, &values())?;
-    let mut out = DeviceBuffer::<f32>::zeros(&s, N)?;
+    let mut a = DeviceBuffer::from_slice_nccl(&values(), &s)?;
+    let mut out = DeviceBuffer::<f32>::zeros(N, &s)?;
     let busy = Duration::from_millis(300);
     let took = if window {
         // SAFETY: one rank.
         let w = unsafe { comm.register_window(&mut a) }?;
-        kernels::busy(&s, busy)?;
+        kernels::busy(busy, &s)?;
         comm.all_reduce(w.view(), &mut out, ReduceOp::Sum, &s)?;
         let start = Instant::now();
         drop(w);
         start.elapsed()
     } else {
         let r = comm.register(&mut a)?;
-        kernels::busy(&s, busy)?;
+        kernels::busy(busy, &s)?;
         comm.all_reduce(r.view(), &mut out, ReduceOp::Sum, &s)?;
         let start = Instant::now();
         drop(r);
@@ -198,9 +198,9 @@ fn dropped_behind_work(window: bool) -> Result<(), Failed> {
 fn freed_after_a_long_read() -> Result<(), Failed> {
     let dev = handoff::Device::new(0)?;
     let s = Stream::new(&dev)?;
-    let a = DeviceBuffer::from_slice_nccl(&s, &values())?;
-    let mut out = DeviceBuffer::<f32>::zeros(&s, N)?;
-    kernels::delayed_copy(&s, &a, &mut out, Duration::from_millis(300))?;
+    let a = DeviceBuffer::from_slice_nccl(&values(), &s)?;
+    let mut out = DeviceBuffer::<f32>::zeros(N, &s)?;
+    kernels::delayed_copy(&a, &mut out, Duration::from_millis(300), &s)?;
     let start = Instant::now();
     drop(a);
     let took = start.elapsed();
@@ -226,13 +226,13 @@ fn freed_after_a_long_read() -> Result<(), Failed> {
 fn window_refusals() -> Result<(), Failed> {
     let (dev, comm) = common::one_rank(CommOptions::default())?;
     let s = Stream::new(&dev)?;
-    let mut pool = DeviceBuffer::<f32>::zeros(&s, 4096)?;
+    let mut pool = DeviceBuffer::<f32>::zeros(4096, &s)?;
     // SAFETY: one rank.
     match unsafe { comm.register_window(&mut pool) } {
         Err(Error::InvalidArgument(m)) if m.contains("ncclMemAlloc") => {}
         other => return Err(format!("a window of pool memory: {other:?}").into()),
     }
-    let mut buf = DeviceBuffer::<f32>::zeros_nccl(&s, 4096)?;
+    let mut buf = DeviceBuffer::<f32>::zeros_nccl(4096, &s)?;
     // Forgotten: NCCL keeps it a window; a second registration is refused by the buffer's mark.
     // SAFETY: one rank.
     std::mem::forget(unsafe { comm.register_window(&mut buf) }?);
@@ -258,9 +258,9 @@ fn two_rank_mismatch(refuse: bool) -> Result<(), Failed> {
         let s = Stream::new(comm.device()).map_err(|e| e.to_string())?;
         let len = if !refuse && rank == 1 { 2048 } else { 1024 };
         let mut buf = if refuse && rank == 1 {
-            DeviceBuffer::<f32>::zeros(&s, len)
+            DeviceBuffer::<f32>::zeros(len, &s)
         } else {
-            DeviceBuffer::<f32>::zeros_nccl(&s, len)
+            DeviceBuffer::<f32>::zeros_nccl(len, &s)
         }
         .map_err(|e| e.to_string())?;
         // SAFETY: refused before any collective uses it.
@@ -271,7 +271,7 @@ fn two_rank_mismatch(refuse: bool) -> Result<(), Failed> {
             other => return Err(format!("rank {rank}: {other:?}, want an error")),
         };
         // The communicator is still usable.
-        let mut x = DeviceBuffer::from_slice(&s, &[1.0f32; 8]).map_err(|e| e.to_string())?;
+        let mut x = DeviceBuffer::from_slice(&[1.0f32; 8], &s).map_err(|e| e.to_string())?;
         comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &s)
             .map_err(|e| e.to_string())?;
         let v = x.to_vec(&s).map_err(|e| e.to_string())?;
@@ -298,8 +298,8 @@ fn two_rank_windows() -> Result<(), Failed> {
         let rank = comm.rank();
         let e = |e: Error| format!("rank {rank}: {e}");
         let s = Stream::new(comm.device()).map_err(e)?;
-        let mut input = DeviceBuffer::from_slice_nccl(&s, &values()).map_err(e)?;
-        let mut out = DeviceBuffer::<f32>::zeros_nccl(&s, 2 * N).map_err(e)?;
+        let mut input = DeviceBuffer::from_slice_nccl(&values(), &s).map_err(e)?;
+        let mut out = DeviceBuffer::<f32>::zeros_nccl(2 * N, &s).map_err(e)?;
         // SAFETY: both ranks pass their windows #0 and #1, whole, in every collective below.
         let wi = unsafe { comm.register_window(&mut input) }.map_err(e)?;
         // SAFETY: as above.

@@ -98,7 +98,7 @@ fn eventually(what: &str, mut cond: impl FnMut() -> bool) -> Result<(), Failed> 
 /// does not wait for them.
 fn freed_after_its_uses(s: &Stubs) -> Result<(), Failed> {
     let (_dev, stream, comm) = one_rank()?;
-    let mut buf = DeviceBuffer::<f32>::from_slice_nccl(&stream, &[1.0, 2.0, 3.0])?;
+    let mut buf = DeviceBuffer::<f32>::from_slice_nccl(&[1.0, 2.0, 3.0], &stream)?;
     if !buf.is_nccl_alloc() || s.count("ncclMemAlloc") < 1 {
         return Err("the buffer did not come from ncclMemAlloc".into());
     }
@@ -130,7 +130,7 @@ fn freed_after_its_uses(s: &Stubs) -> Result<(), Failed> {
         s.count("ncclMemFree") == frees + 1 && handoff::pending_nccl_frees() == 0
     })?;
     // `free` waits on the host and frees at once.
-    let buf = DeviceBuffer::<u8>::zeros_nccl(&stream, 4096)?;
+    let buf = DeviceBuffer::<u8>::zeros_nccl(4096, &stream)?;
     buf.free()?;
     if s.count("ncclMemFree") != frees + 2 {
         return Err("free() did not call ncclMemFree".into());
@@ -149,7 +149,7 @@ fn registration_lifecycle(s: &Stubs) -> Result<(), Failed> {
         "cudaEventSynchronize",
     ];
     let before = s.counts(&names);
-    let mut buf = DeviceBuffer::<f32>::zeros_nccl(&stream, 1024)?;
+    let mut buf = DeviceBuffer::<f32>::zeros_nccl(1024, &stream)?;
     {
         let mut reg = comm.register(&mut buf)?;
         if !reg.is_active() {
@@ -191,8 +191,8 @@ fn registration_is_compared_across_a_transfer(s: &Stubs) -> Result<(), Failed> {
     let (d0, d1) = (Device::new(0)?, Device::new(1)?);
     let comms = Communicator::init_all(&[d0.clone(), d1.clone()])?;
     let (s0, s1) = (Stream::new(&d0)?, Stream::new(&d1)?);
-    let mut a = DeviceBuffer::<f32>::zeros_nccl(&s0, 16)?;
-    let mut b = DeviceBuffer::<f32>::zeros_nccl(&s1, 16)?;
+    let mut a = DeviceBuffer::<f32>::zeros_nccl(16, &s0)?;
+    let mut b = DeviceBuffer::<f32>::zeros_nccl(16, &s1)?;
     let sends = s.count("ncclSend");
     {
         let ra = comms[0].register(&mut a)?;
@@ -242,13 +242,13 @@ fn window_rules(s: &Stubs) -> Result<(), Failed> {
     let delta =
         |s: &Stubs| -> Vec<i64> { s.counts(&names).iter().zip(&before).map(|(a, b)| a - b).collect() };
     // Pool memory is refused, NCCL never called.
-    let mut pool = DeviceBuffer::<f32>::zeros(&stream, 1024)?;
+    let mut pool = DeviceBuffer::<f32>::zeros(1024, &stream)?;
     // SAFETY: one rank: no peer to disagree on windows.
     match unsafe { comm.register_window(&mut pool) } {
         Err(Error::InvalidArgument(m)) if m.contains("ncclMemAlloc") => {}
         other => return Err(format!("a window of pool memory: {other:?}").into()),
     }
-    let mut buf = DeviceBuffer::<f32>::zeros_nccl(&stream, 1024)?;
+    let mut buf = DeviceBuffer::<f32>::zeros_nccl(1024, &stream)?;
     {
         // SAFETY: as above.
         let mut win = unsafe { comm.register_window(&mut buf) }?;
@@ -290,7 +290,7 @@ fn window_on_a_clique_refused(_: &Stubs) -> Result<(), Failed> {
     let devs = [Device::new(0)?, Device::new(1)?];
     let comms = Communicator::init_all(&devs)?;
     let stream = Stream::new(&devs[0])?;
-    let mut buf = DeviceBuffer::<f32>::zeros_nccl(&stream, 1024)?;
+    let mut buf = DeviceBuffer::<f32>::zeros_nccl(1024, &stream)?;
     // SAFETY: refused before anything reaches NCCL.
     match unsafe { comms[0].register_window(&mut buf) } {
         Err(Error::InvalidArgument(m)) if m.contains("init_all") => Ok(()),
@@ -312,8 +312,8 @@ fn child_without_the_functions() -> Result<(), String> {
             other => Err(format!("{what}: {other:?}, want Error::Unsupported")),
         }
     };
-    check("zeros_nccl", DeviceBuffer::<f32>::zeros_nccl(&stream, 16).err())?;
-    let mut buf = DeviceBuffer::<f32>::zeros(&stream, 16).map_err(|e| e.to_string())?;
+    check("zeros_nccl", DeviceBuffer::<f32>::zeros_nccl(16, &stream).err())?;
+    let mut buf = DeviceBuffer::<f32>::zeros(16, &stream).map_err(|e| e.to_string())?;
     check("register", comm.register(&mut buf).err())?;
     // SAFETY: refused before NCCL (one rank).
     check("register_window", unsafe { comm.register_window(&mut buf) }.err())?;

@@ -56,8 +56,8 @@ fn unmatched_self_send() -> Result<(), Failed> {
     let timeout = Duration::from_secs(3);
     let (dev, comm) = one_rank(CommOptions::default().with_timeout(timeout))?;
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[1.0f32; 256])?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 256)?;
+    let x = DeviceBuffer::from_slice(&[1.0f32; 256], &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(256, &s)?;
     s.synchronize()?;
     // SAFETY: `x` and `y` are live on the communicator's device with 256 floats; the stream is
     // live. Both buffers outlive the stream's work (it is waited for below, with a bound).
@@ -132,7 +132,7 @@ fn unmatched_self_send() -> Result<(), Failed> {
     let kernel = Duration::from_secs(3);
     let (dev, comm) = one_rank(CommOptions::default().with_timeout(timeout))?;
     let s = Stream::new(&dev)?;
-    kernels::busy(&s, kernel)?;
+    kernels::busy(kernel, &s)?;
     let t = Instant::now();
     match comm.wait_stream(&s) {
         Err(Error::Timeout { what, after }) => {
@@ -147,7 +147,7 @@ fn unmatched_self_send() -> Result<(), Failed> {
         )
         .into());
     }
-    let x = DeviceBuffer::from_slice(&s, &[1.0f32; 4])?;
+    let x = DeviceBuffer::from_slice(&[1.0f32; 4], &s)?;
     match comm.send(&x, 0, &s) {
         Err(Error::CommunicatorUnusable { reason }) => println!("later calls fail: {reason}"),
         other => return Err(format!("a call after the timeout gave {other:?}").into()),
@@ -168,9 +168,9 @@ fn describe(rc: handoff::sys::nccl::ncclResult_t) -> String {
 fn drop_comm_with_pending_work() -> Result<(), Failed> {
     let (dev, comm) = one_rank(CommOptions::default().with_timeout(Duration::from_secs(10)))?;
     let s = Stream::new(&dev)?;
-    let x = DeviceBuffer::from_slice(&s, &[5u32; 4096])?;
-    let mut y = DeviceBuffer::<u32>::zeros(&s, 4096)?;
-    kernels::busy(&s, Duration::from_millis(300))?;
+    let x = DeviceBuffer::from_slice(&[5u32; 4096], &s)?;
+    let mut y = DeviceBuffer::<u32>::zeros(4096, &s)?;
+    kernels::busy(Duration::from_millis(300), &s)?;
     group(|g| {
         g.send(&comm, &x, 0, &s)?;
         g.recv(&comm, &mut y, 0, &s)
@@ -216,10 +216,10 @@ fn soak() -> Result<(), Failed> {
     let (producer, comm_s, compute) = (Stream::new(&dev)?, Stream::new(&dev)?, Stream::new(&dev)?);
     let n = 4096;
     const SLOTS: usize = 8;
-    let mut x = DeviceBuffer::<f32>::zeros(&producer, n)?;
-    let mut received = DeviceBuffer::<f32>::zeros(&comm_s, n)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &producer)?;
+    let mut received = DeviceBuffer::<f32>::zeros(n, &comm_s)?;
     let mut ys: Vec<DeviceBuffer<f32>> = (0..SLOTS)
-        .map(|_| DeviceBuffer::zeros(&compute, n))
+        .map(|_| DeviceBuffer::zeros(n, &compute))
         .collect::<handoff::Result<_>>()?;
     let mut rng = Rng(seed | 1);
     let mut mismatches = 0usize;
@@ -244,17 +244,17 @@ fn soak() -> Result<(), Failed> {
             checked += 1;
         }
         if rng.below(4) == 0 {
-            kernels::busy(&producer, Duration::from_micros(rng.below(200)))?;
+            kernels::busy(Duration::from_micros(rng.below(200)), &producer)?;
         }
-        kernels::produce(&producer, &mut x, round as u32)?; // A rewrites x: waits for the last send
+        kernels::produce(&mut x, round as u32, &producer)?; // A rewrites x: waits for the last send
         group(|g| {
             g.send(&comm, &x, 0, &producer)?;
             g.recv(&comm, &mut received, 0, &comm_s) // waits for the last B to read it
         })?;
         if rng.below(4) == 0 {
-            kernels::busy(&compute, Duration::from_micros(rng.below(200)))?;
+            kernels::busy(Duration::from_micros(rng.below(200)), &compute)?;
         }
-        kernels::twice(&compute, &received, &mut ys[slot])?; // B
+        kernels::twice(&received, &mut ys[slot], &compute)?; // B
     }
     for k in 0..(rounds as usize).min(SLOTS) {
         let round = rounds - 1 - k as u64;
@@ -305,10 +305,10 @@ fn child_dead_peer() -> Result<(), Failed> {
     let launch = Launch::from_env()?.ok_or("no launcher variables")?;
     let comm = launch.communicator(CommOptions::default().with_timeout(Duration::from_secs(10)))?;
     let s = Stream::new(comm.device())?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, 1 << 16)?;
+    let mut x = DeviceBuffer::<f32>::zeros(1 << 16, &s)?;
     for round in 0.. {
         if comm.rank() == 0 {
-            kernels::produce(&s, &mut x, round)?;
+            kernels::produce(&mut x, round, &s)?;
             comm.send(&x, 1, &s)?;
             s.synchronize()?;
             println!("round {round}");
@@ -352,13 +352,13 @@ fn child_mismatch(recv_count: usize, as_i32: bool) -> Result<(), Failed> {
     let comm = launch.communicator(options)?;
     let s = Stream::new(comm.device())?;
     let r = if comm.rank() == 0 {
-        let x = DeviceBuffer::from_slice(&s, &[1.0f32; 4])?;
+        let x = DeviceBuffer::from_slice(&[1.0f32; 4], &s)?;
         comm.send(&x, 1, &s)
     } else if as_i32 {
-        let mut y = DeviceBuffer::<i32>::zeros(&s, recv_count)?;
+        let mut y = DeviceBuffer::<i32>::zeros(recv_count, &s)?;
         comm.recv(&mut y, 0, &s)
     } else {
-        let mut y = DeviceBuffer::<f32>::zeros(&s, recv_count)?;
+        let mut y = DeviceBuffer::<f32>::zeros(recv_count, &s)?;
         comm.recv(&mut y, 0, &s)
     };
     match r {

@@ -91,9 +91,9 @@ fn short_receive_in_one_process() -> Result<(), Failed> {
     let comms = Communicator::init_all(&devs)?; // default options: verified in every profile
     let (s0, s1) = (Stream::new(&devs[0])?, Stream::new(&devs[1])?);
     let n = 4_194_304;
-    let mut x = DeviceBuffer::<f32>::zeros(&s0, n)?;
-    kernels::produce(&s0, &mut x, 0)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s1, n)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &s0)?;
+    kernels::produce(&mut x, 0, &s0)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &s1)?;
     let r = group(|g| {
         g.send(&comms[0], &x, 1, &s0)?;
         g.recv(&comms[1], y.slice_mut(0..3 * n / 4)?, 0, &s1)
@@ -119,9 +119,9 @@ fn both_directions_matched() -> Result<(), Failed> {
     let devs = [Device::new(0)?, Device::new(1)?];
     let comms = Communicator::init_all(&devs)?;
     let (s0, s1) = (Stream::new(&devs[0])?, Stream::new(&devs[1])?);
-    let a = DeviceBuffer::<f32>::zeros(&s1, 16)?;
-    let mut b = DeviceBuffer::<f32>::zeros(&s1, 16)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s0, 16)?;
+    let a = DeviceBuffer::<f32>::zeros(16, &s1)?;
+    let mut b = DeviceBuffer::<f32>::zeros(16, &s1)?;
+    let mut y = DeviceBuffer::<f32>::zeros(16, &s0)?;
     let r = group(|g| {
         g.recv(&comms[0], &mut y, 1, &s0)?;
         g.send(&comms[1], &a, 1, &s1)?;
@@ -145,9 +145,9 @@ fn short_receive_across_threads() -> Result<(), Failed> {
     let results = two_threads([opts, opts], move |made| {
         let comm = made.map_err(|e| e.to_string())?;
         let s = Stream::new(comm.device()).map_err(|e| e.to_string())?;
-        let mut x = DeviceBuffer::<f32>::zeros(&s, n).map_err(|e| e.to_string())?;
+        let mut x = DeviceBuffer::<f32>::zeros(n, &s).map_err(|e| e.to_string())?;
         let r = if comm.rank() == 0 {
-            kernels::produce(&s, &mut x, 0).map_err(|e| e.to_string())?;
+            kernels::produce(&mut x, 0, &s).map_err(|e| e.to_string())?;
             comm.send(&x, 1, &s)
         } else {
             comm.recv(x.slice_mut(0..3 * n / 4).map_err(|e| e.to_string())?, 0, &s)
@@ -186,9 +186,9 @@ fn send_against_a_gathers_part() -> Result<(), Failed> {
         let comm = made.map_err(|e| e.to_string())?;
         let e = |e: Error| e.to_string();
         let s = Stream::new(comm.device()).map_err(e)?;
-        let a = DeviceBuffer::<f32>::from_slice(&s, &[7.0]).map_err(e)?;
+        let a = DeviceBuffer::<f32>::from_slice(&[7.0], &s).map_err(e)?;
         // Warm-up: a matched send/receive and a gather connect the pair first.
-        let mut warm = DeviceBuffer::<f32>::zeros(&s, 2).map_err(e)?;
+        let mut warm = DeviceBuffer::<f32>::zeros(2, &s).map_err(e)?;
         if comm.rank() == 1 {
             comm.send(&a, 0, &s).map_err(e)?;
         } else {
@@ -197,16 +197,16 @@ fn send_against_a_gathers_part() -> Result<(), Failed> {
         comm.gather(&a, &mut warm, 0, &s).map_err(e)?;
         s.synchronize().map_err(e)?;
         let r = if comm.rank() == 1 {
-            let x = DeviceBuffer::<f32>::from_slice(&s, &[7.0; 4096]).map_err(e)?;
-            let mut none = DeviceBuffer::<f32>::zeros(&s, 0).map_err(e)?;
+            let x = DeviceBuffer::<f32>::from_slice(&[7.0; 4096], &s).map_err(e)?;
+            let mut none = DeviceBuffer::<f32>::zeros(0, &s).map_err(e)?;
             group(|g| {
                 g.send(&comm, &x, 0, &s)?;
                 g.gather(&comm, &a, &mut none, 0, &s)
             })
         } else {
             // The root's output (two elements), then a guard of 4096.
-            let mut out = DeviceBuffer::<f32>::zeros(&s, 2 + 4096).map_err(e)?;
-            let mut r = DeviceBuffer::<f32>::zeros(&s, 4096).map_err(e)?;
+            let mut out = DeviceBuffer::<f32>::zeros(2 + 4096, &s).map_err(e)?;
+            let mut r = DeviceBuffer::<f32>::zeros(4096, &s).map_err(e)?;
             let (head, _) = out.split_at_mut(2).map_err(e)?;
             let r = comm
                 .gather(&a, head, 0, &s)
@@ -241,12 +241,12 @@ fn send_against_a_gathers_part_in_one_process() -> Result<(), Failed> {
     let devs = [Device::new(0)?, Device::new(1)?];
     let comms = Communicator::init_all(&devs)?;
     let (s0, s1) = (Stream::new(&devs[0])?, Stream::new(&devs[1])?);
-    let a0 = DeviceBuffer::<f32>::from_slice(&s0, &[1.0])?;
-    let a1 = DeviceBuffer::<f32>::from_slice(&s1, &[2.0])?;
-    let x = DeviceBuffer::<f32>::from_slice(&s1, &[7.0; 4096])?;
-    let mut out = DeviceBuffer::<f32>::zeros(&s0, 2)?;
-    let mut none = DeviceBuffer::<f32>::zeros(&s1, 0)?;
-    let mut r = DeviceBuffer::<f32>::zeros(&s0, 4096)?;
+    let a0 = DeviceBuffer::<f32>::from_slice(&[1.0], &s0)?;
+    let a1 = DeviceBuffer::<f32>::from_slice(&[2.0], &s1)?;
+    let x = DeviceBuffer::<f32>::from_slice(&[7.0; 4096], &s1)?;
+    let mut out = DeviceBuffer::<f32>::zeros(2, &s0)?;
+    let mut none = DeviceBuffer::<f32>::zeros(0, &s1)?;
+    let mut r = DeviceBuffer::<f32>::zeros(4096, &s0)?;
     let refused = group(|g| {
         g.gather(&comms[0], &a0, &mut out, 0, &s0)?;
         g.recv(&comms[0], &mut r, 1, &s0)?;
@@ -295,7 +295,7 @@ fn one_thread_outside_a_group() -> Result<(), Failed> {
         let devs = [Device::new(0)?, Device::new(1)?];
         let comms = Communicator::init_all(&devs)?;
         let s0 = Stream::new(&devs[0])?;
-        let x = DeviceBuffer::<f32>::zeros(&s0, 1024)?;
+        let x = DeviceBuffer::<f32>::zeros(1024, &s0)?;
         let r = comms[0].send(&x, 1, &s0);
         let ok_after = comms[0].broken_reason().is_none();
         Ok::<_, Error>((r, ok_after))
@@ -316,10 +316,10 @@ fn one_thread_outside_a_group() -> Result<(), Failed> {
 fn long_kernel_before_a_transfer() -> Result<(), Failed> {
     let devs = [Device::new(0)?, Device::new(1)?];
     let opts = CommOptions::default().with_timeout(Duration::from_secs(1));
-    let comms = Communicator::init_all_with(&devs, opts)?;
+    let comms = Communicator::init_all_with(opts, &devs)?;
     let (s0, s1) = (Stream::new(&devs[0])?, Stream::new(&devs[1])?);
-    let mut x = DeviceBuffer::<f32>::zeros(&s0, 1 << 16)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s1, 1 << 16)?;
+    let mut x = DeviceBuffer::<f32>::zeros(1 << 16, &s0)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1 << 16, &s1)?;
     // A first transfer connects the pair and loads NCCL's kernels: CUDA's lazy loading of a
     // kernel waits for work already running on the device, which would hold up the queueing
     // below for reasons that have nothing to do with handoff.
@@ -328,8 +328,8 @@ fn long_kernel_before_a_transfer() -> Result<(), Failed> {
         g.recv(&comms[1], &mut y, 0, &s1)
     })?;
     let t = Instant::now();
-    kernels::busy(&s0, Duration::from_secs(3))?;
-    kernels::produce(&s0, &mut x, 5)?;
+    kernels::busy(Duration::from_secs(3), &s0)?;
+    kernels::produce(&mut x, 5, &s0)?;
     group(|g| {
         g.send(&comms[0], &x, 1, &s0)?;
         g.recv(&comms[1], &mut y, 0, &s1)
@@ -357,9 +357,9 @@ fn stuck_receive_is_bounded() -> Result<(), Failed> {
     let results = two_threads([opts, opts], |made| {
         let comm = made.map_err(|e| e.to_string())?;
         let s = Stream::new(comm.device()).map_err(|e| e.to_string())?;
-        let mut x = DeviceBuffer::<f32>::zeros(&s, 1 << 16).map_err(|e| e.to_string())?;
+        let mut x = DeviceBuffer::<f32>::zeros(1 << 16, &s).map_err(|e| e.to_string())?;
         if comm.rank() == 0 {
-            kernels::busy(&s, Duration::from_secs(6)).map_err(|e| e.to_string())?;
+            kernels::busy(Duration::from_secs(6), &s).map_err(|e| e.to_string())?;
             comm.send(&x, 1, &s).map_err(|e| e.to_string())?;
             comm.abort().map_err(|e| e.to_string())?;
             Ok(("rank 0 sent, then aborted".to_string(), Duration::ZERO))

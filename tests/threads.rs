@@ -34,26 +34,26 @@ fn readers_then_writer() -> Result<(), Failed> {
     let shared = Arc::new(Stream::new(&dev)?);
     let writer = Stream::new(&dev)?;
     let n = 1 << 12;
-    let mut x = DeviceBuffer::<f32>::zeros(&writer, n)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &writer)?;
     let mut outs: Vec<Vec<DeviceBuffer<f32>>> = (0..THREADS)
-        .map(|_| (0..READS).map(|_| DeviceBuffer::zeros(&shared, n)).collect())
+        .map(|_| (0..READS).map(|_| DeviceBuffer::zeros(n, &shared)).collect())
         .collect::<Result<_, _>>()?;
     let mut bad = Vec::new();
     for round in 0..ROUNDS {
-        kernels::produce(&writer, &mut x, round)?;
+        kernels::produce(&mut x, round, &writer)?;
         let x_ref = &x;
         std::thread::scope(|s| {
             for outs in outs.iter_mut() {
                 let shared = &shared;
                 s.spawn(move || {
                     for out in outs.iter_mut() {
-                        kernels::delayed_copy(shared, x_ref, out, Duration::from_micros(300)).unwrap();
+                        kernels::delayed_copy(x_ref, out, Duration::from_micros(300), shared).unwrap();
                     }
                 });
             }
         });
         // The write must wait for every read above, whatever order the threads stored in.
-        kernels::produce(&writer, &mut x, round + 1000)?;
+        kernels::produce(&mut x, round + 1000, &writer)?;
         for (t, outs) in outs.iter().enumerate() {
             for (k, out) in outs.iter().enumerate() {
                 let got = out.to_vec(&shared)?;

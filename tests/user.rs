@@ -110,9 +110,9 @@ fn slow_copy<'a>(
 fn user_kernel_values() -> Result<(), Failed> {
     let (_dev, s, _) = common::gpu0_two_streams()?;
     let u = user()?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, 1000)?;
+    let mut x = DeviceBuffer::<f32>::zeros(1000, &s)?;
     iota(&u, &s, &mut x, 1.0)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s, 1000)?;
+    let mut y = DeviceBuffer::<f32>::zeros(1000, &s)?;
     // SAFETY: user_scale(const float* x, float* y, float a, u64 n) reads x[0..n], writes y[0..n].
     unsafe {
         s.launch_builder(&u.scale)
@@ -130,9 +130,9 @@ fn user_kernel_values() -> Result<(), Failed> {
 fn long_read_then_write() -> Result<(), Failed> {
     let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let u = user()?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &s1)?;
     iota(&u, &s1, &mut x, 0.0)?;
-    let mut out = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    let mut out = DeviceBuffer::<f32>::zeros(N, &s1)?;
     slow_copy(&u, &s1, &x, &mut out)?;
     iota(&u, &s2, &mut x, 1000.0)?;
     assert_all_eq("reader's copy", &out.to_vec(&s1)?, |i| i as f32)?;
@@ -144,9 +144,9 @@ fn long_read_then_write() -> Result<(), Failed> {
 fn late_write_then_host_read() -> Result<(), Failed> {
     let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let u = user()?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &s1)?;
     iota(&u, &s1, &mut x, 7.0)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    let mut y = DeviceBuffer::<f32>::zeros(N, &s1)?;
     s1.synchronize()?;
     slow_copy(&u, &s1, &x, &mut y)?;
     assert_all_eq("host copy", &y.to_vec(&s2)?, |i| 7.0 + i as f32)
@@ -157,9 +157,9 @@ fn late_write_then_host_read() -> Result<(), Failed> {
 fn raw_use_after_read() -> Result<(), Failed> {
     let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let u = user()?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &s1)?;
     iota(&u, &s1, &mut x, 3.0)?;
-    let mut out = DeviceBuffer::<f32>::zeros(&s1, N)?;
+    let mut out = DeviceBuffer::<f32>::zeros(N, &s1)?;
     slow_copy(&u, &s1, &x, &mut out)?;
     let (p, bytes) = (x.as_raw_mut_ptr(), x.byte_len());
     // SAFETY: the memset writes x's bytes only, on the stream it is given.
@@ -196,7 +196,7 @@ fn typed_errors() -> Result<(), Failed> {
     let bad = (|| {
         let m = Module::from_ptx(".version 9.0\n.target sm_75\n.address_size 64\n.visible .entry broken( {")?;
         let f = m.function("broken")?;
-        let mut x = DeviceBuffer::<f32>::zeros(&s, 16)?;
+        let mut x = DeviceBuffer::<f32>::zeros(16, &s)?;
         // SAFETY: refused before any kernel runs (the PTX does not compile).
         unsafe {
             s.launch_builder(&f)
@@ -214,7 +214,7 @@ fn typed_errors() -> Result<(), Failed> {
         other => return Err(format!("a missing kernel gave {other:?}").into()),
     }
     let f = m.function("user_iota")?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s, 16)?;
+    let mut x = DeviceBuffer::<f32>::zeros(16, &s)?;
     let too_big = LaunchConfig {
         block: (2048, 1, 1),
         ..LaunchConfig::for_elements(16)
@@ -236,28 +236,28 @@ fn typed_errors() -> Result<(), Failed> {
 
 fn fills() -> Result<(), Failed> {
     let (_dev, s, _) = common::gpu0_two_streams()?;
-    let mut a = DeviceBuffer::<u8>::zeros(&s, 1001)?;
+    let mut a = DeviceBuffer::<u8>::zeros(1001, &s)?;
     a.fill(0xab, &s)?;
     assert_all_eq("u8", &a.to_vec(&s)?, |_| 0xab)?;
-    let mut b = DeviceBuffer::<u16>::zeros(&s, 1001)?;
+    let mut b = DeviceBuffer::<u16>::zeros(1001, &s)?;
     b.fill(0xbeef, &s)?;
     assert_all_eq("u16", &b.to_vec(&s)?, |_| 0xbeef)?;
-    let mut c = DeviceBuffer::<f64>::zeros(&s, 1001)?;
+    let mut c = DeviceBuffer::<f64>::zeros(1001, &s)?;
     c.fill(-2.5, &s)?;
     assert_all_eq("f64", &c.to_vec(&s)?, |_| -2.5)?;
-    let mut d = DeviceBuffer::<[u8; 3]>::zeros(&s, 1001)?;
+    let mut d = DeviceBuffer::<[u8; 3]>::zeros(1001, &s)?;
     d.fill([1, 2, 3], &s)?;
     assert_all_eq("[u8; 3]", &d.to_vec(&s)?, |_| [1, 2, 3])?;
-    let mut e = DeviceBuffer::<[f32; 4]>::zeros(&s, 1001)?;
+    let mut e = DeviceBuffer::<[f32; 4]>::zeros(1001, &s)?;
     e.fill([1.0, -2.0, 3.5, 4.25], &s)?;
     assert_all_eq("[f32; 4]", &e.to_vec(&s)?, |_| [1.0, -2.0, 3.5, 4.25])?;
     // Part of a buffer: the rest stays.
-    let mut f = DeviceBuffer::<f32>::zeros(&s, 100)?;
+    let mut f = DeviceBuffer::<f32>::zeros(100, &s)?;
     f.slice_mut(10..20)?.fill(9.0, &s)?;
     assert_all_eq("a filled view", &f.to_vec(&s)?, |i| {
         if (10..20).contains(&i) { 9.0 } else { 0.0 }
     })?;
-    let mut g = DeviceBuffer::<[u64; 3]>::zeros(&s, 4)?;
+    let mut g = DeviceBuffer::<[u64; 3]>::zeros(4, &s)?;
     match g.fill([1, 2, 3], &s) {
         Err(Error::InvalidArgument(m)) => println!("refused: {m}"),
         other => return Err(format!("a 24-byte fill gave {other:?}").into()),
@@ -270,9 +270,9 @@ fn fills() -> Result<(), Failed> {
 fn split_halves_from_threads() -> Result<(), Failed> {
     let (_dev, s1, s2) = common::gpu0_two_streams()?;
     let u = user()?;
-    let mut src = DeviceBuffer::<f32>::zeros(&s1, 2 * N)?;
+    let mut src = DeviceBuffer::<f32>::zeros(2 * N, &s1)?;
     iota(&u, &s1, &mut src, 5.0)?;
-    let mut dst = DeviceBuffer::<f32>::zeros(&s1, 2 * N)?;
+    let mut dst = DeviceBuffer::<f32>::zeros(2 * N, &s1)?;
     {
         let (lo, hi) = dst.split_at_mut(N)?;
         let (src_lo, src_hi) = (src.slice(..N)?, src.slice(N..)?);
@@ -297,11 +297,11 @@ fn receive_into_a_view_while_another_is_read() -> Result<(), Failed> {
     let comm = Communicator::init_all(std::slice::from_ref(&dev))?
         .pop()
         .ok_or("no communicator")?;
-    let mut x = DeviceBuffer::<f32>::zeros(&s1, N)?;
-    kernels::produce(&s1, &mut x, 4)?;
-    let mut buf = DeviceBuffer::<f32>::zeros(&s1, 2 * N)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &s1)?;
+    kernels::produce(&mut x, 4, &s1)?;
+    let mut buf = DeviceBuffer::<f32>::zeros(2 * N, &s1)?;
     iota(&u, &s1, &mut buf, 100.0)?;
-    let mut out = DeviceBuffer::<f32>::zeros(&s2, N)?;
+    let mut out = DeviceBuffer::<f32>::zeros(N, &s2)?;
     {
         let (front, back) = buf.split_at_mut(N)?;
         slow_copy(&u, &s2, back.as_view(), &mut out)?;
@@ -326,11 +326,11 @@ fn peer_copy() -> Result<(), Failed> {
     let (d0, d1) = (Device::new(0)?, Device::new(1)?);
     let (s0, s1) = (Stream::new(&d0)?, Stream::new(&d1)?);
     let n = 1 << 22;
-    let mut x = DeviceBuffer::<f32>::zeros(&s0, n)?;
-    kernels::produce(&s0, &mut x, 1)?;
-    let mut y = DeviceBuffer::<f32>::zeros(&s1, n)?;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &s0)?;
+    kernels::produce(&mut x, 1, &s0)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &s1)?;
     y.copy_from(&x, &s1)?;
-    kernels::produce(&s0, &mut x, 2)?;
+    kernels::produce(&mut x, 2, &s0)?;
     assert_all_eq("y on GPU 1", &y.to_vec(&s1)?, |i| produced_value(i, 1))?;
     assert_all_eq("x on GPU 0", &x.to_vec(&s0)?, |i| produced_value(i, 2))?;
     // Part of it back, into a view on GPU 0.

@@ -5,11 +5,11 @@ use std::marker::PhantomData;
 use bytemuck::Pod;
 
 use crate::cuda::device::Device;
+use crate::cuda::stream::Stream;
 use crate::engine::Tracked;
+use crate::engine::tracking::Access;
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
-use crate::cuda::stream::Stream;
-use crate::engine::tracking::Access;
 
 /// `len` elements of `T` in one device's memory.
 ///
@@ -142,7 +142,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// # Errors
     /// As [`DeviceBuffer::zeros`]; [`Error::Unsupported`] when the loaded NCCL lacks
     /// `ncclMemAlloc`; NCCL errors.
-    pub fn zeros_nccl(stream: &Stream, len: usize) -> Result<Self> {
+    pub fn zeros_nccl(len: usize, stream: &Stream) -> Result<Self> {
         let mut buf = Self::alloc(stream, len, Alloc::Nccl)?;
         buf.memset_zero(stream)?;
         Ok(buf)
@@ -153,9 +153,9 @@ impl<T: Pod> DeviceBuffer<T> {
     ///
     /// # Errors
     /// As [`DeviceBuffer::zeros_nccl`] and [`DeviceBuffer::from_slice`].
-    pub fn from_slice_nccl(stream: &Stream, data: &[T]) -> Result<Self> {
+    pub fn from_slice_nccl(data: &[T], stream: &Stream) -> Result<Self> {
         let mut buf = Self::alloc(stream, data.len(), Alloc::Nccl)?;
-        buf.copy_from_slice(stream, data)?;
+        buf.copy_from_slice(data, stream)?;
         Ok(buf)
     }
 
@@ -169,7 +169,7 @@ impl<T: Pod> DeviceBuffer<T> {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if the size overflows; CUDA errors (out of memory).
-    pub fn zeros(stream: &Stream, len: usize) -> Result<Self> {
+    pub fn zeros(len: usize, stream: &Stream) -> Result<Self> {
         let mut buf = Self::alloc(stream, len, Alloc::Pool)?;
         buf.memset_zero(stream)?;
         Ok(buf)
@@ -180,9 +180,9 @@ impl<T: Pod> DeviceBuffer<T> {
     ///
     /// # Errors
     /// As [`DeviceBuffer::zeros`] and [`ViewMut::copy_from_slice`](crate::ViewMut::copy_from_slice).
-    pub fn from_slice(stream: &Stream, data: &[T]) -> Result<Self> {
+    pub fn from_slice(data: &[T], stream: &Stream) -> Result<Self> {
         let mut buf = Self::alloc(stream, data.len(), Alloc::Pool)?;
-        buf.copy_from_slice(stream, data)?;
+        buf.copy_from_slice(data, stream)?;
         Ok(buf)
     }
 
@@ -200,8 +200,8 @@ impl<T: Pod> DeviceBuffer<T> {
     ///
     /// # Errors
     /// As [`ViewMut::copy_from_slice`](crate::ViewMut::copy_from_slice).
-    pub fn copy_from_slice(&mut self, stream: &Stream, data: &[T]) -> Result<()> {
-        self.view_mut().copy_from_slice(stream, data)
+    pub fn copy_from_slice(&mut self, data: &[T], stream: &Stream) -> Result<()> {
+        self.view_mut().copy_from_slice(data, stream)
     }
 
     /// Copies the buffer to a new host vector, on `stream`, after the last write to it; see

@@ -88,13 +88,13 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::cuda::device::{Device, Origin, PooledEvent};
+use crate::cuda::stream::Stream;
+use crate::engine::tracking::{Access, StreamId};
 use crate::engine::{self, CaptureState, Captured, Keep, Replay, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::nccl::Communicator;
 use crate::result::cudart as cu;
-use crate::cuda::stream::Stream;
 use crate::sys::cudart::cudaGraphExec_t;
-use crate::engine::tracking::{Access, StreamId};
 
 /// Work captured on a stream once and replayed with one launch: the host cost of a replay is
 /// one `cudaGraphLaunch` and handoff's tracking, whatever the number of operations inside.
@@ -104,12 +104,12 @@ use crate::engine::tracking::{Access, StreamId};
 /// # fn main() -> handoff::Result<()> {
 /// let dev = Device::new(0)?;
 /// let s = Stream::new(&dev)?;
-/// let mut x = DeviceBuffer::<f32>::zeros(&s, 4)?;
-/// let mut y = DeviceBuffer::<f32>::zeros(&s, 4)?;
+/// let mut x = DeviceBuffer::<f32>::zeros(4, &s)?;
+/// let mut y = DeviceBuffer::<f32>::zeros(4, &s)?;
 /// // Kernel A then kernel B, captured once...
 /// let graph = Graph::capture(&s, |s| {
-///     kernels::produce(s, &mut x, 1)?;
-///     kernels::twice(s, &x, &mut y)
+///     kernels::produce(&mut x, 1, s)?;
+///     kernels::twice(&x, &mut y, s)
 /// })?;
 /// // ...replayed as often as wanted; each replay is a tracked use of x and y.
 /// for _ in 0..100 {
@@ -321,8 +321,8 @@ impl Graph {
     /// As [`Graph::capture`]; [`Error::Capture`] for an NCCL operation of another communicator,
     /// or of this one on another stream, or a PreMulSum collective; verification's errors.
     pub fn capture_with(
-        stream: &Stream,
         comm: Communicator,
+        stream: &Stream,
         body: impl FnOnce(&Stream, &Communicator) -> Result<()>,
     ) -> Result<Graph> {
         Self::capture_inner(stream, Some(comm), |s, c| {

@@ -4,8 +4,8 @@
 //! A copy between the GPU and pageable memory ([`View::to_vec`], [`ViewMut::copy_from_slice`])
 //! must block the host until it is done, since the memory may be paged out or freed as soon as
 //! the call returns. Pinned memory stays put, so a copy to or from it can be queued on a stream
-//! and return at once: [`View::copy_to_host`] and [`ViewMut::copy_from_host`]. The GPU's DMA
-//! engines also reach it directly, which is what makes such copies fast.
+//! and return at once: [`HostBuffer::copy_from_device`] and [`ViewMut::copy_from_host`]. The
+//! GPU's DMA engines also reach it directly, which is what makes such copies fast.
 //!
 //! # The rules
 //! A host buffer is tracked exactly like a [`DeviceBuffer`], by the same engine: a copy into it
@@ -53,12 +53,12 @@ use bytemuck::Pod;
 
 use crate::cuda::buffer::{DeviceBuffer, byte_len};
 use crate::cuda::device::{Device, PooledEvent, wait_all};
+use crate::cuda::stream::{Stream, check_poison};
+use crate::cuda::view::{CopyPath, View, ViewMut, check_len, tracked_copy};
+use crate::engine::tracking::{Access, StreamId};
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
-use crate::cuda::stream::{Stream, check_poison};
-use crate::engine::tracking::{Access, StreamId};
-use crate::cuda::view::{CopyPath, View, ViewMut, check_len, tracked_copy};
 
 mod pool;
 use pool::{Block, Pool};
@@ -71,10 +71,10 @@ use pool::{Block, Pool};
 /// use handoff::{Device, DeviceBuffer, HostBuffer, Stream, kernels};
 /// let dev = Device::new(0)?;
 /// let stream = Stream::new(&dev)?;
-/// let mut y = DeviceBuffer::<f32>::zeros(&stream, 4)?;
-/// kernels::produce(&stream, &mut y, 0)?;
-/// let mut host = HostBuffer::<f32>::zeros(&dev, 4)?;
-/// y.copy_to_host(&mut host, &stream)?; // returns at once
+/// let mut y = DeviceBuffer::<f32>::zeros(4, &stream)?;
+/// kernels::produce(&mut y, 0, &stream)?;
+/// let mut host = HostBuffer::<f32>::zeros(4, &dev)?;
+/// host.copy_from_device(&y, &stream)?; // returns at once
 /// // ... other host work ...
 /// assert_eq!(&*host.read()?, [1.0, 2.0, 3.0, 4.0]); // waits for the copy
 /// # Ok(())
@@ -179,7 +179,7 @@ impl<T: Pod> HostBuffer<T> {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if the size overflows; CUDA errors (out of pinned memory).
-    pub fn zeros(device: &Device, len: usize) -> Result<Self> {
+    pub fn zeros(len: usize, device: &Device) -> Result<Self> {
         let buf = Self::alloc(device, len)?;
         // SAFETY: `ptr` holds `len` elements, owned by `buf` and used by nothing else yet; all
         // zero bytes are a valid `T` (`T: Pod`).
@@ -191,7 +191,7 @@ impl<T: Pod> HostBuffer<T> {
     ///
     /// # Errors
     /// As [`HostBuffer::zeros`].
-    pub fn from_slice(device: &Device, data: &[T]) -> Result<Self> {
+    pub fn from_slice(data: &[T], device: &Device) -> Result<Self> {
         let buf = Self::alloc(device, data.len())?;
         // SAFETY: `ptr` holds `data.len()` elements, owned by `buf` and used by nothing else
         // yet; `data` is other memory.
@@ -291,13 +291,45 @@ impl<T: Pod> HostBuffer<T> {
         Ok(HostMut { slice })
     }
 
-    /// Copies `src` (of the same length, on this buffer's device) into this buffer on `stream`,
-    /// after the last write to `src`; returns at once. See [`View::copy_to_host`].
+    /// Copies `src` (a device buffer or a [`View`] of part of one, of the same length) into this
+    /// buffer on `stream` (of `src`'s device, which must be this buffer's), after the last write
+    /// to `src`'s buffer and every earlier use of this one; returns at once, without waiting for
+    /// the copy. [`HostBuffer::read`] waits for it; this buffer cannot be written or freed before
+    /// it is done.
     ///
     /// # Errors
-    /// As [`View::copy_to_host`].
+    /// [`Error::InvalidArgument`] if the lengths differ, or the stream, `src` and this buffer
+    /// are not all of one device; CUDA errors.
     pub fn copy_from_device<'s>(&mut self, src: impl Into<View<'s, T>>, stream: &Stream) -> Result<()> {
-        src.into().copy_to_host(self, stream)
+        let src = src.into();
+        let uses = [
+            TrackedUse::on(stream, src.tracked(), Access::Read),
+            TrackedUse::on(stream, &self.tracked, Access::Write),
+        ];
+        engine::check_devices(&uses)?;
+        check_len(self.len, src.len(), "the device view")?;
+        // The write the copy will read after. No other can be queued before the copy: a write
+        // needs the buffer borrowed exclusively, and `src` borrows it shared. Set before the
+        // copy is queued, so that whatever part of it reaches the stream is covered.
+        let before = std::mem::replace(&mut self.filled_from, src.tracked().lock().last_write().cloned());
+        // SAFETY: `src` holds `len` elements of device memory and this buffer as many of pinned
+        // host memory (checked), both borrowed for the call, all on `stream`'s device
+        // (checked); the copy's tracking keeps the device buffer from being rewritten or freed,
+        // and this buffer from being read, written or freed on the host, before it is done.
+        let copied = unsafe {
+            tracked_copy(
+                stream,
+                (src.tracked(), src.as_raw_ptr().cast()),
+                (&self.tracked, self.ptr.cast()),
+                src.byte_len(),
+                CopyPath::DeviceToHost,
+            )
+        };
+        if copied.is_err() {
+            // Perhaps nothing was copied: what the buffer held, and its report, stay.
+            self.filled_from = before;
+        }
+        copied
     }
 
     /// Gives the memory back to its device's cache once every copy that uses it has completed
@@ -435,47 +467,6 @@ impl<T: Pod + std::fmt::Debug> std::fmt::Debug for HostMut<'_, T> {
     }
 }
 
-impl<T: Pod> View<'_, T> {
-    /// Copies the view into `dst`, pinned host memory of the same length, on `stream` (of the
-    /// view's device, which must be `dst`'s), after the last write to the view's buffer and
-    /// every earlier use of `dst`; returns at once, without waiting for the copy. `dst.read()`
-    /// waits for it; `dst` cannot be written or freed before it is done.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] if the lengths differ, or the stream, the view or `dst` are
-    /// not all of one device; CUDA errors.
-    pub fn copy_to_host(&self, dst: &mut HostBuffer<T>, stream: &Stream) -> Result<()> {
-        let uses = [
-            TrackedUse::on(stream, self.tracked(), Access::Read),
-            TrackedUse::on(stream, &dst.tracked, Access::Write),
-        ];
-        engine::check_devices(&uses)?;
-        check_len(dst.len, self.len(), "the device view")?;
-        // The write the copy will read after. No other can be queued before the copy: a write
-        // needs the buffer borrowed exclusively, and `self` borrows it shared. Set before the
-        // copy is queued, so that whatever part of it reaches the stream is covered.
-        let before = std::mem::replace(&mut dst.filled_from, self.tracked().lock().last_write().cloned());
-        // SAFETY: the view holds `len` elements of device memory and `dst` as many of pinned
-        // host memory (checked), both borrowed for the call, all on `stream`'s device
-        // (checked); the copy's tracking keeps the device buffer from being rewritten or freed,
-        // and `dst` from being read, written or freed on the host, before it is done.
-        let copied = unsafe {
-            tracked_copy(
-                stream,
-                (self.tracked(), self.as_raw_ptr().cast()),
-                (&dst.tracked, dst.ptr.cast()),
-                self.byte_len(),
-                CopyPath::DeviceToHost,
-            )
-        };
-        if copied.is_err() {
-            // Perhaps nothing was copied: what the buffer held, and its report, stay.
-            dst.filled_from = before;
-        }
-        copied
-    }
-}
-
 impl<T: Pod> ViewMut<'_, T> {
     /// Copies `src`, pinned host memory of the same length, into the view on `stream` (of the
     /// view's device, which must be `src`'s), after every earlier use of the view's buffer and
@@ -507,26 +498,9 @@ impl<T: Pod> ViewMut<'_, T> {
             )
         }
     }
-
-    /// Copies the view into `dst`; see [`View::copy_to_host`].
-    ///
-    /// # Errors
-    /// As [`View::copy_to_host`].
-    pub fn copy_to_host(&self, dst: &mut HostBuffer<T>, stream: &Stream) -> Result<()> {
-        self.as_view().copy_to_host(dst, stream)
-    }
 }
 
 impl<T: Pod> DeviceBuffer<T> {
-    /// Copies the buffer into `dst`, pinned host memory of the same length; returns at once.
-    /// See [`View::copy_to_host`].
-    ///
-    /// # Errors
-    /// As [`View::copy_to_host`].
-    pub fn copy_to_host(&self, dst: &mut HostBuffer<T>, stream: &Stream) -> Result<()> {
-        self.view().copy_to_host(dst, stream)
-    }
-
     /// Copies `src`, pinned host memory of the same length, into the buffer; returns at once.
     /// See [`ViewMut::copy_from_host`].
     ///
@@ -544,18 +518,18 @@ mod tests {
     #[test]
     fn zero_length_buffers_need_no_cuda() {
         let dev = Device::for_tests();
-        let mut a = HostBuffer::<f32>::zeros(&dev, 0).unwrap();
+        let mut a = HostBuffer::<f32>::zeros(0, &dev).unwrap();
         assert!(a.is_empty());
         assert_eq!((a.len(), a.byte_len()), (0, 0));
         assert!(a.read().unwrap().is_empty());
         assert!(a.write().unwrap().is_empty());
         a.free().unwrap();
-        let b = HostBuffer::<u8>::from_slice(&dev, &[]).unwrap();
+        let b = HostBuffer::<u8>::from_slice(&[], &dev).unwrap();
         assert_eq!(b.device().ordinal(), 0);
         assert!(format!("{b:?}").contains("len: 0"));
         drop(b);
         // Elements of no size need no memory, whatever their number.
-        let mut c = HostBuffer::<()>::zeros(&dev, 5).unwrap();
+        let mut c = HostBuffer::<()>::zeros(5, &dev).unwrap();
         assert_eq!((c.len(), c.byte_len()), (5, 0));
         assert_eq!(c.read().unwrap().len(), 5);
         assert_eq!(c.write().unwrap().len(), 5);
@@ -565,7 +539,7 @@ mod tests {
     fn sizes_that_overflow_are_refused_before_cuda() {
         let dev = Device::for_tests();
         assert!(matches!(
-            HostBuffer::<f64>::zeros(&dev, usize::MAX / 4),
+            HostBuffer::<f64>::zeros(usize::MAX / 4, &dev),
             Err(Error::InvalidArgument(_))
         ));
     }
@@ -578,7 +552,7 @@ mod tests {
         // refused before anything is queued.
         let tracked = Tracked::new(&dev);
         let ptr = std::ptr::NonNull::<f32>::dangling().as_ptr();
-        let mut host = HostBuffer::<f32>::zeros(&dev, 0).unwrap();
+        let mut host = HostBuffer::<f32>::zeros(0, &dev).unwrap();
         // SAFETY: never dereferenced: every call below fails on the lengths first.
         let (view, mut view_mut) = unsafe {
             (
@@ -587,10 +561,9 @@ mod tests {
             )
         };
         for r in [
-            view.copy_to_host(&mut host, &stream),
-            view_mut.copy_to_host(&mut host, &stream),
-            view_mut.copy_from_host(&host, &stream),
             host.copy_from_device(view, &stream),
+            host.copy_from_device(&view_mut, &stream),
+            view_mut.copy_from_host(&host, &stream),
         ] {
             match r {
                 Err(Error::InvalidArgument(m)) => {

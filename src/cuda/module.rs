@@ -13,7 +13,7 @@
 //! let module = Module::from_ptx(ptx)?;
 //! let add_one = module.function("add_one")?;
 //! let stream = Stream::new(&Device::new(0)?)?;
-//! let mut x = DeviceBuffer::<f32>::zeros(&stream, 1024)?;
+//! let mut x = DeviceBuffer::<f32>::zeros(1024, &stream)?;
 //! let n = x.len() as u64;
 //! // SAFETY: add_one(float* x, u64 n) writes x[0..n] and nothing else, and ends.
 //! unsafe {
@@ -42,13 +42,13 @@ use std::sync::{Arc, Mutex};
 use bytemuck::Pod;
 
 use crate::cuda::buffer::DeviceBuffer;
+use crate::cuda::stream::Stream;
+use crate::cuda::view::{View, ViewMut};
+use crate::engine::tracking::Access;
 use crate::engine::{Few, Tracked};
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
-use crate::cuda::stream::Stream;
 use crate::sys::cudart::{cudaKernel_t, cudaLibrary_t};
-use crate::engine::tracking::Access;
-use crate::cuda::view::{View, ViewMut};
 
 /// A loaded module: PTX (JIT-compiled by the driver for each device at its first use there),
 /// cubin or fatbin. Loaded once per process for all devices (`cudaLibraryLoadData`), and never

@@ -5,12 +5,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytemuck::Pod;
 
 use crate::cuda::device::{Device, PooledEvent};
+use crate::cuda::view::{View, ViewMut};
+use crate::engine::tracking::{Access, RecordOrder, StreamId, UseTracker, record_and_store};
 use crate::engine::{self, CaptureState, StreamState, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
 use crate::sys::cudart::{cudaEvent_t, cudaStream_t};
-use crate::engine::tracking::{Access, RecordOrder, StreamId, UseTracker, record_and_store};
-use crate::cuda::view::{View, ViewMut};
 
 /// A CUDA stream: a queue of GPU work that runs in order.
 ///
@@ -519,8 +519,8 @@ impl Stream {
     /// # fn main() -> handoff::Result<()> {
     /// use handoff::{Device, DeviceBuffer, RawUse, Stream};
     /// let stream = Stream::new(&Device::new(0)?)?;
-    /// let x = DeviceBuffer::<f32>::zeros(&stream, 256)?;
-    /// let mut y = DeviceBuffer::<f32>::zeros(&stream, 256)?;
+    /// let x = DeviceBuffer::<f32>::zeros(256, &stream)?;
+    /// let mut y = DeviceBuffer::<f32>::zeros(256, &stream)?;
     /// let (src, dst, bytes) = (x.as_raw_ptr(), y.as_raw_mut_ptr(), y.byte_len());
     /// // SAFETY: the copy reads x and writes y within their lengths, on this stream only.
     /// unsafe {

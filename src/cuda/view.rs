@@ -10,6 +10,48 @@
 //!
 //! Like `&[T]` and `&mut [T]`, a view borrows its buffer: a `ViewMut` excludes every other use
 //! of the buffer by safe code while it lives, except through the other half of a split.
+//!
+//! Every operation that takes a device buffer takes `impl Into<View>` (read) or
+//! `impl Into<ViewMut>` (written): a `&DeviceBuffer` / `&mut DeviceBuffer`, a view, or a
+//! reference to one. So halves from [`DeviceBuffer::split_at_mut`] and slices go wherever a
+//! buffer goes (a registration borrows a whole buffer, as NCCL registers whole allocations):
+//!
+//! ```no_run
+//! # fn main() -> handoff::Result<()> {
+//! use std::time::Duration;
+//! use handoff::{Communicator, Device, DeviceBuffer, HostBuffer, ReduceOp, Stream};
+//! use handoff::{group, kernels};
+//! let dev = Device::new(0)?;
+//! let s = Stream::new(&dev)?;
+//! let comm = Communicator::init_all(std::slice::from_ref(&dev))?.remove(0);
+//! let other = DeviceBuffer::<f32>::from_slice(&[1.0; 4], &s)?;
+//! let mut host = HostBuffer::<f32>::zeros(4, &dev)?;
+//! let mut buf = DeviceBuffer::<f32>::zeros(8, &s)?;
+//! let (mut lo, mut hi) = buf.split_at_mut(4)?;
+//! kernels::produce(&mut lo, 0, &s)?; // &mut ViewMut
+//! kernels::twice(&lo, &mut hi, &s)?; // one half read, the other written
+//! kernels::delayed_copy(&hi, &mut lo, Duration::ZERO, &s)?;
+//! kernels::twice(other.slice(..)?, hi.slice_mut(..)?, &s)?; // View, ViewMut by value
+//! kernels::twice(&other.view(), hi.reborrow(), &s)?; // &View
+//! kernels::produce(lo.reborrow(), 1, &s)?;
+//! lo.copy_from(&other, &s)?;
+//! lo.copy_from(&hi, &s)?;
+//! hi.fill(1.0, &s)?;
+//! lo.copy_from_slice(&[0.0; 4], &s)?;
+//! host.copy_from_device(&hi, &s)?;
+//! lo.copy_from_host(&host, &s)?;
+//! group(|g| {
+//!     g.send(&comm, &lo, 0, &s)?;
+//!     g.recv(&comm, &mut hi, 0, &s)
+//! })?;
+//! comm.all_reduce(&lo, &mut hi, ReduceOp::Sum, &s)?;
+//! comm.all_reduce_in_place(&mut lo, ReduceOp::Sum, &s)?;
+//! comm.broadcast(&mut hi, 0, &s)?;
+//! let back: Vec<f32> = lo.to_vec(&s)?;
+//! # drop(back);
+//! # Ok(())
+//! # }
+//! ```
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -20,12 +62,12 @@ use bytemuck::Pod;
 
 use crate::cuda::buffer::DeviceBuffer;
 use crate::cuda::device::{Device, PooledEvent};
+use crate::cuda::stream::Stream;
+use crate::engine::tracking::Access;
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
-use crate::cuda::stream::Stream;
 use crate::sys::cudart::cudaMemcpyKind;
-use crate::engine::tracking::Access;
 
 /// Part of a [`DeviceBuffer`], to be read. `Copy`, like `&[T]`.
 pub struct View<'a, T: Pod> {
@@ -338,7 +380,7 @@ impl<'a, T: Pod> ViewMut<'a, T> {
     /// [`Error::InvalidArgument`] if the lengths differ or `stream` is on another device;
     /// [`Error::Capture`] while a graph is being captured on `stream` (nothing is copied); CUDA
     /// errors.
-    pub fn copy_from_slice(&mut self, stream: &Stream, data: &[T]) -> Result<()> {
+    pub fn copy_from_slice(&mut self, data: &[T], stream: &Stream) -> Result<()> {
         check_len(self.len, data.len(), "the host slice")?;
         let (dst, bytes) = (self.ptr.cast::<c_void>(), self.byte_len());
         // A graph would read `data` at every replay, long after this borrow ends.
@@ -402,7 +444,7 @@ impl<'a, T: Pod> ViewMut<'a, T> {
     /// [`Error::InvalidArgument`] for an element over 16 bytes, or `stream` on another device;
     /// CUDA errors.
     pub fn fill(&mut self, value: T, stream: &Stream) -> Result<()> {
-        crate::kernels::fill(stream, self.reborrow(), value)
+        crate::kernels::fill(self.reborrow(), value, stream)
     }
 }
 

@@ -34,9 +34,9 @@ pub(crate) mod tracking;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::cuda::device::{Device, PooledEvent};
+use crate::cuda::stream::Stream;
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
-use crate::cuda::stream::Stream;
 use tracking::{Access, CapturedUses, Held, UseTracker, record_and_store};
 
 /// The pending uses of one piece of memory, and the device it lives on; shared (cheaply cloned)

@@ -295,7 +295,7 @@ impl Launch {
     pub fn communicator(&self, options: CommOptions) -> Result<Communicator> {
         let device = Device::new(self.local_rank)?;
         let (id, server) = self.unique_id(options.timeout())?;
-        let comm = Communicator::with_options(&device, self.world_size, self.rank, &id, options)?;
+        let comm = Communicator::with_options(self.world_size, self.rank, &id, options, &device)?;
         if let Some(server) = server {
             // Every rank has joined the communicator, so every rank has fetched the id.
             server.wait()?;

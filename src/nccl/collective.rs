@@ -5,14 +5,14 @@
 //! count, type, root, reduction): verification checks it before NCCL is called, and each
 //! collective's size rule is checked locally first.
 
+use crate::cuda::stream::Stream;
+use crate::cuda::view::{View, ViewMut};
+use crate::engine::tracking::Access;
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, usable};
 use crate::nccl::group::{CollOp, Group, group};
 use crate::nccl::types::NcclType;
 use crate::nccl::verify::wire::{CollDesc, CollKind, NONE, PRE_MUL_SUM};
-use crate::cuda::stream::Stream;
-use crate::engine::tracking::Access;
-use crate::cuda::view::{View, ViewMut};
 
 /// How a reduction combines the ranks' elements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 
 use crate::cuda::buffer::DeviceBuffer;
 use crate::cuda::device::{Device, Origin, PooledEvent};
+use crate::cuda::stream::Stream;
+use crate::cuda::view::{View, ViewMut};
+use crate::engine::tracking::Access;
 use crate::engine::{self, Before, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::group::group;
@@ -21,10 +24,7 @@ use crate::nccl::verify::mailbox::{BROKEN, Region};
 use crate::nccl::verify::setup::settle;
 use crate::nccl::watchdog;
 use crate::result::nccl as nc;
-use crate::cuda::stream::Stream;
 use crate::sys::nccl::{ncclComm_t, ncclResult_t};
-use crate::engine::tracking::Access;
-use crate::cuda::view::{View, ViewMut};
 
 /// One rank of an NCCL communicator, bound to one GPU.
 ///
@@ -342,8 +342,8 @@ impl Communicator {
     /// which each rank alone decides how a transfer is cut into steps: `NCCL_PROTO`,
     /// `NCCL_P2P_*_CHUNKSIZE`, `NCCL_LOCAL_REGISTER` and the others the message lists, and
     /// [`CommOptions::with_cta_policy`]).
-    pub fn new(device: &Device, world: usize, rank: usize, id: &UniqueId) -> Result<Communicator> {
-        Self::with_options(device, world, rank, id, CommOptions::default())
+    pub fn new(world: usize, rank: usize, id: &UniqueId, device: &Device) -> Result<Communicator> {
+        Self::with_options(world, rank, id, CommOptions::default(), device)
     }
 
     /// As [`Communicator::new`], with `options`. A non-blocking communicator fails with
@@ -353,11 +353,11 @@ impl Communicator {
     /// # Errors
     /// As [`Communicator::new`], and [`Error::Timeout`].
     pub fn with_options(
-        device: &Device,
         world: usize,
         rank: usize,
         id: &UniqueId,
         options: CommOptions,
+        device: &Device,
     ) -> Result<Communicator> {
         check_world_rank(world, rank)?;
         device.set_current()?;
@@ -392,14 +392,14 @@ impl Communicator {
     /// [`Error::InvalidArgument`] for no devices, or a device listed twice (NCCL refuses two
     /// ranks on one GPU); NCCL errors.
     pub fn init_all(devices: &[Device]) -> Result<Vec<Communicator>> {
-        Self::init_all_with(devices, CommOptions::default())
+        Self::init_all_with(CommOptions::default(), devices)
     }
 
     /// As [`Communicator::init_all`], with `options`.
     ///
     /// # Errors
     /// As [`Communicator::init_all`], and [`Error::Timeout`].
-    pub fn init_all_with(devices: &[Device], options: CommOptions) -> Result<Vec<Communicator>> {
+    pub fn init_all_with(options: CommOptions, devices: &[Device]) -> Result<Vec<Communicator>> {
         let world = devices.len();
         check_world_rank(world, 0)?;
         for (i, d) in devices.iter().enumerate() {
@@ -515,8 +515,8 @@ impl Communicator {
     /// waited for with the communicator's timeout.
     pub(crate) fn all_gather_words(&self, words: &[u64]) -> Result<Vec<u64>> {
         let stream = Stream::new(&self.device)?;
-        let send = DeviceBuffer::from_slice(&stream, words)?;
-        let mut all = DeviceBuffer::<u64>::zeros(&stream, words.len() * self.world)?;
+        let send = DeviceBuffer::from_slice(words, &stream)?;
+        let mut all = DeviceBuffer::<u64>::zeros(words.len() * self.world, &stream)?;
         let (src, dst) = (send.as_raw_ptr().cast(), all.as_raw_mut_ptr().cast());
         let uses = [
             TrackedUse::on(&stream, send.tracked(), Access::Read),

@@ -7,6 +7,9 @@ use std::time::Instant;
 
 use smallvec::{SmallVec, smallvec};
 
+use crate::cuda::stream::Stream;
+use crate::cuda::view::{View, ViewMut};
+use crate::engine::tracking::Access;
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, Cut, State, usable};
@@ -15,10 +18,7 @@ use crate::nccl::verify::model::{self, Call};
 use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, P2P, REGISTERED};
 use crate::nccl::verify::{self, CollOps, Failure, PairOps};
 use crate::result::nccl as nc;
-use crate::cuda::stream::Stream;
 use crate::sys::nccl::{ncclDataType_t, ncclResult_t};
-use crate::engine::tracking::Access;
-use crate::cuda::view::{View, ViewMut};
 
 /// One send or receive, checked and waiting for [`Group`] to submit it.
 struct Op<'a> {
@@ -181,8 +181,8 @@ pub struct Group<'a> {
 /// let gpu = Device::new(0)?;
 /// let comm = &Communicator::init_all(&[gpu.clone()])?[0];
 /// let stream = Stream::new(&gpu)?;
-/// let x = DeviceBuffer::from_slice(&stream, &[1.0f32, 2.0, 3.0, 4.0])?;
-/// let mut y = DeviceBuffer::<f32>::zeros(&stream, 4)?;
+/// let x = DeviceBuffer::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &stream)?;
+/// let mut y = DeviceBuffer::<f32>::zeros(4, &stream)?;
 /// group(|g| {
 ///     g.send(comm, &x, 0, &stream)?; // to itself: rank 0 of 1
 ///     g.recv(comm, &mut y, 0, &stream)

@@ -42,11 +42,11 @@ use std::time::Instant;
 use bytemuck::Pod;
 
 use crate::cuda::buffer::{Alloc, DeviceBuffer};
+use crate::cuda::view::{View, ViewMut};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, usable};
 use crate::result::nccl as nc;
 use crate::sys::nccl::{NCCL_WIN_COLL_SYMMETRIC, NCCL_WIN_REQUIRED_ALIGNMENT, ncclWindow_t};
-use crate::cuda::view::{View, ViewMut};
 
 /// A buffer registered with a communicator (`ncclCommRegister`), so that NCCL's operations on
 /// it may skip staging copies (zero-copy over NVLink and the network, fewer SMs). Made by
@@ -59,7 +59,7 @@ use crate::cuda::view::{View, ViewMut};
 /// ```compile_fail,E0597
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// let reg = {
-///     let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
+///     let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(1024, s)?;
 ///     comm.register(&mut buf)?
 /// };
 /// drop(reg);
@@ -68,7 +68,7 @@ use crate::cuda::view::{View, ViewMut};
 /// nor its communicator:
 /// ```compile_fail,E0505
 /// # fn f(comm: handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
-/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
+/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(1024, s)?;
 /// let reg = comm.register(&mut buf)?;
 /// drop(comm);
 /// drop(reg);
@@ -77,7 +77,7 @@ use crate::cuda::view::{View, ViewMut};
 /// and the buffer cannot be freed (nor used directly) while registered:
 /// ```compile_fail,E0505
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
-/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
+/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(1024, s)?;
 /// let reg = comm.register(&mut buf)?;
 /// buf.free()?;
 /// drop(reg);
@@ -86,8 +86,8 @@ use crate::cuda::view::{View, ViewMut};
 /// There is no `DerefMut` through which another buffer could be swapped in:
 /// ```compile_fail,E0596
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
-/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
-/// let mut other = handoff::DeviceBuffer::<f32>::zeros(s, 1024)?;
+/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(1024, s)?;
+/// let mut other = handoff::DeviceBuffer::<f32>::zeros(1024, s)?;
 /// let mut reg = comm.register(&mut buf)?;
 /// std::mem::swap(&mut *reg, &mut other);
 /// # Ok(()) }
@@ -97,7 +97,7 @@ use crate::cuda::view::{View, ViewMut};
 /// ```no_run
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// use handoff::ReduceOp;
-/// let mut buf = handoff::DeviceBuffer::<f32>::from_slice_nccl(s, &[1.0; 1024])?;
+/// let mut buf = handoff::DeviceBuffer::<f32>::from_slice_nccl(&[1.0; 1024], s)?;
 /// let mut reg = comm.register(&mut buf)?;
 /// comm.all_reduce_in_place(reg.view_mut(), ReduceOp::Sum, s)?;
 /// reg.deregister()?;
@@ -123,7 +123,7 @@ pub struct Registration<'c, 'b, T: Pod> {
 /// ```compile_fail,E0597
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
 /// let win = {
-///     let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
+///     let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(1024, s)?;
 ///     unsafe { comm.register_window(&mut buf)? }
 /// };
 /// drop(win);
@@ -132,7 +132,7 @@ pub struct Registration<'c, 'b, T: Pod> {
 /// nor its communicator:
 /// ```compile_fail,E0505
 /// # fn f(comm: handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
-/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
+/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(1024, s)?;
 /// let win = unsafe { comm.register_window(&mut buf)? };
 /// drop(comm);
 /// drop(win);
@@ -141,7 +141,7 @@ pub struct Registration<'c, 'b, T: Pod> {
 /// the buffer cannot be dropped while it is a window:
 /// ```compile_fail,E0505
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
-/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
+/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(1024, s)?;
 /// let win = unsafe { comm.register_window(&mut buf)? };
 /// drop(buf);
 /// drop(win);
@@ -150,7 +150,7 @@ pub struct Registration<'c, 'b, T: Pod> {
 /// nor be made a window twice:
 /// ```compile_fail,E0499
 /// # fn f(comm: &handoff::Communicator, s: &handoff::Stream) -> handoff::Result<()> {
-/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(s, 1024)?;
+/// let mut buf = handoff::DeviceBuffer::<f32>::zeros_nccl(1024, s)?;
 /// let a = unsafe { comm.register_window(&mut buf)? };
 /// let b = unsafe { comm.register_window(&mut buf)? };
 /// drop((a, b));

@@ -145,7 +145,7 @@ pub fn gpu0_two_streams() -> Result<(handoff::Device, handoff::Stream, handoff::
 /// A one-rank communicator on GPU 0.
 pub fn one_rank(options: handoff::CommOptions) -> Result<(handoff::Device, handoff::Communicator), Failed> {
     let dev = handoff::Device::new(0)?;
-    let comm = handoff::Communicator::init_all_with(std::slice::from_ref(&dev), options)?
+    let comm = handoff::Communicator::init_all_with(options, std::slice::from_ref(&dev))?
         .pop()
         .ok_or("no communicator")?;
     Ok((dev, comm))
@@ -169,7 +169,7 @@ pub fn two_threads<T: Send + 'static>(
             let opts = options[rank];
             std::thread::spawn(move || {
                 let made = handoff::Device::new(rank)
-                    .and_then(|d| handoff::Communicator::with_options(&d, 2, rank, &id, opts));
+                    .and_then(|d| handoff::Communicator::with_options(2, rank, &id, opts, &d));
                 body(made)
             })
         })
