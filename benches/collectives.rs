@@ -3,8 +3,13 @@
 //! and 1) in one process (`--mode inproc`) or in two processes through the bootstrap
 //! (`--mode procs`, rank 0 reports).
 //!
-//! `cargo bench --bench collectives -- --op all-reduce [--mode procs]` (`--help` for the
-//! options)
+//! `cargo bench --bench collectives -- --op all-reduce [--mode procs] [--memory window]`
+//! (`--help` for the options)
+//!
+//! `--memory` chooses the buffers' kind for every way: the pool (default), `ncclMemAlloc`
+//! memory, that memory registered with each way's communicator, or symmetric windows (handoff
+//! through its API, raw NCCL registered raw: see `benches/memory`). Each way has its own
+//! buffers.
 //!
 //! For each size, after `--warmup` untimed iterations, `--repeats` timed runs of `--iters`
 //! iterations of each way, rotating verified, unverified and raw; each run is timed with CUDA
@@ -14,6 +19,7 @@
 //! time and handoff's time over raw NCCL's per size. Results are checked once per size.
 
 mod harness;
+mod memory;
 
 use clap::{Parser, ValueEnum};
 use handoff::result::nccl as raw;
@@ -22,6 +28,7 @@ use handoff::{
     CommOptions, Communicator, Device, DeviceBuffer, Event, Group, Launch, NcclType, ReduceOp, Stream, group,
 };
 use harness::Way;
+use memory::{Held, Memory};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Op {
@@ -64,9 +71,13 @@ struct Opts {
     /// The collectives to time.
     #[arg(long, value_enum, num_args = 1.., default_values_t = [Op::AllReduce, Op::AllGather, Op::ReduceScatter, Op::Broadcast, Op::AllToAll])]
     op: Vec<Op>,
+    /// The buffers' kind, for every way.
+    #[arg(long, value_enum, default_value = "pool")]
+    memory: Memory,
     #[command(flatten)]
     sweep: harness::Sweep,
-    /// CSV file prefix: one file per operation, PREFIX-OP.csv.
+    /// CSV file prefix: one file per operation, PREFIX-OP.csv (PREFIX-MEMORY-OP.csv for a
+    /// --memory other than pool).
     #[arg(long, default_value = "collectives")]
     csv: String,
     /// SVG file prefix: with it, one plot per operation, PREFIX-OP.svg.
@@ -77,10 +88,11 @@ struct Opts {
     bench: bool,
 }
 
-struct Rank {
-    stream: Stream,
-    input: DeviceBuffer<f32>,
-    output: DeviceBuffer<f32>,
+/// One rank's buffers as one way uses them.
+struct Rank<'c, 'b> {
+    stream: &'b Stream,
+    input: Held<'c, 'b, f32>,
+    output: Held<'c, 'b, f32>,
 }
 
 /// Input and output lengths for `count` (NCCL's count) of `op` over `world` ranks.
@@ -97,11 +109,15 @@ fn post_safe<'a>(
     g: &mut Group<'a>,
     op: Op,
     comm: &'a Communicator,
-    r: &'a mut Rank,
+    r: &'a mut Rank<'_, '_>,
     count: usize,
 ) -> handoff::Result<()> {
     let (ilen, olen) = lengths(op, count, comm.world_size());
-    let (input, output, s) = (r.input.slice(..ilen)?, r.output.slice_mut(..olen)?, &r.stream);
+    let s = r.stream;
+    let (input, output) = (
+        r.input.view().slice(..ilen)?,
+        r.output.view_mut().into_slice_mut(..olen)?,
+    );
     match op {
         Op::AllReduce => g.all_reduce(comm, input, output, ReduceOp::Sum, s),
         Op::AllGather => g.all_gather(comm, input, output, s),
@@ -112,7 +128,7 @@ fn post_safe<'a>(
 }
 
 /// This process's ranks' collectives, in one group.
-fn run_safe(op: Op, comms: &[Communicator], ranks: &mut [Rank], count: usize) -> handoff::Result<()> {
+fn run_safe(op: Op, comms: &[Communicator], ranks: &mut [Rank<'_, '_>], count: usize) -> handoff::Result<()> {
     group(move |g| {
         for (c, r) in comms.iter().zip(ranks) {
             post_safe(g, op, c, r, count)?;
@@ -121,7 +137,7 @@ fn run_safe(op: Op, comms: &[Communicator], ranks: &mut [Rank], count: usize) ->
     })
 }
 
-fn run_raw(op: Op, comms: &[Communicator], ranks: &mut [Rank], count: usize) -> handoff::Result<()> {
+fn run_raw(op: Op, comms: &[Communicator], ranks: &mut [Rank<'_, '_>], count: usize) -> handoff::Result<()> {
     let dt: ncclDataType_t = f32::DATATYPE;
     // SAFETY: every rank's buffers hold at least the lengths `op` needs for `count` (allocated for
     // the largest size), on their communicators' devices; this benchmark orders raw and safe
@@ -131,8 +147,8 @@ fn run_raw(op: Op, comms: &[Communicator], ranks: &mut [Rank], count: usize) -> 
         raw::group_start()?;
         for (c, r) in comms.iter().zip(ranks.iter_mut()) {
             let (i, o, s) = (
-                r.input.as_raw_ptr().cast(),
-                r.output.as_raw_mut_ptr().cast(),
+                r.input.view().as_raw_ptr().cast(),
+                r.output.view_mut().as_raw_mut_ptr().cast(),
                 r.stream.as_raw(),
             );
             let rc = match op {
@@ -191,19 +207,39 @@ fn main() -> handoff::Result<()> {
     let reports = verified[0].rank() == 0;
     let world = verified[0].world_size();
     let max_count = o.sweep.max_bytes / 4;
-    let mut ranks: Vec<Rank> = verified
+    let streams: Vec<Stream> = verified
         .iter()
-        .map(|c| {
-            let stream = Stream::new(c.device())?;
-            let input = DeviceBuffer::from_slice(&vec![1.0f32; world * max_count], &stream)?;
-            let output = DeviceBuffer::zeros(world * max_count, &stream)?;
-            Ok(Rank {
-                stream,
-                input,
-                output,
-            })
+        .map(|c| Stream::new(c.device()))
+        .collect::<handoff::Result<_>>()?;
+    // Each way's buffers, per rank: (input, output).
+    let (ones, zeros) = (vec![1.0f32; world * max_count], vec![0.0f32; world * max_count]);
+    let mut store: Vec<Vec<(DeviceBuffer<f32>, DeviceBuffer<f32>)>> = Way::ALL
+        .iter()
+        .map(|_| {
+            streams
+                .iter()
+                .map(|s| Ok((o.memory.alloc(s, &ones)?, o.memory.alloc(s, &zeros)?)))
+                .collect::<handoff::Result<_>>()
         })
         .collect::<handoff::Result<_>>()?;
+    let mut ways: Vec<Vec<Rank>> = Vec::new();
+    for (way, bufs) in Way::ALL.iter().zip(store.iter_mut()) {
+        let comms = if *way == Way::Unverified {
+            &unverified
+        } else {
+            &verified
+        };
+        let raw_way = *way == Way::Raw;
+        let mut ranks = Vec::new();
+        for ((c, s), (input, output)) in comms.iter().zip(&streams).zip(bufs.iter_mut()) {
+            ranks.push(Rank {
+                stream: s,
+                input: o.memory.hold(input, c, raw_way)?,
+                output: o.memory.hold(output, c, raw_way)?,
+            });
+        }
+        ways.push(ranks);
+    }
     let first = verified[0].device();
     let (start, end) = (Event::new(first)?, Event::new(first)?);
     // The other local ranks' streams join the first's at the end of each timed run.
@@ -214,7 +250,7 @@ fn main() -> handoff::Result<()> {
     for op in &o.op {
         let op = *op;
         if reports {
-            println!("# handoff collectives: {op:?}, {label}");
+            println!("# handoff collectives: {op:?}, {label}, {}", o.memory.describe());
             println!(
                 "# f32 | iters {} | warmup {} | repeats {} (median) | rotating verified, unverified and raw | busbw factor {:.2}",
                 o.sweep.iters,
@@ -226,9 +262,11 @@ fn main() -> handoff::Result<()> {
         }
         if op == Op::Broadcast {
             // The root's buffer is the source (in place): ones, like the other inputs.
-            for (c, r) in verified.iter().zip(ranks.iter_mut()) {
-                if c.rank() == 0 {
-                    r.output.fill(1.0, &r.stream)?;
+            for ranks in &mut ways {
+                for (c, r) in verified.iter().zip(ranks.iter_mut()) {
+                    if c.rank() == 0 {
+                        r.output.view_mut().fill(1.0, r.stream)?;
+                    }
                 }
             }
         }
@@ -241,46 +279,48 @@ fn main() -> handoff::Result<()> {
                 Op::AllGather | Op::ReduceScatter | Op::AllToAll => bytes / 4 / world,
             }
             .max(1);
-            let call = |way: Way, ranks: &mut [Rank]| match way {
+            let call = |way: Way, ranks: &mut [Rank<'_, '_>]| match way {
                 Way::Verified => run_safe(op, &verified, ranks, count),
                 Way::Unverified => run_safe(op, &unverified, ranks, count),
                 Way::Raw => run_raw(op, &verified, ranks, count),
             };
             let us = o.sweep.time_ways(|way, n, timed| {
                 if timed {
-                    ranks[0].stream.record(&start)?;
-                    for r in &ranks[1..] {
-                        r.stream.wait(&start)?;
+                    streams[0].record(&start)?;
+                    for s in &streams[1..] {
+                        s.wait(&start)?;
                     }
                 }
                 for _ in 0..n {
-                    call(way, &mut ranks)?;
+                    call(way, &mut ways[way as usize])?;
                 }
                 if !timed {
                     return Ok(0.0);
                 }
-                for (r, j) in ranks[1..].iter().zip(&joined) {
-                    r.stream.record(j)?;
-                    ranks[0].stream.wait(j)?;
+                for (s, j) in streams[1..].iter().zip(&joined) {
+                    s.record(j)?;
+                    streams[0].wait(j)?;
                 }
-                ranks[0].stream.record(&end)?;
+                streams[0].record(&end)?;
                 end.synchronize()?;
                 Ok(f64::from(start.elapsed_ms(&end)?) * 1000.0)
             })?;
-            // The result once: ones everywhere, so a sum is the world size and the rest 1.
+            // The result once per way: ones everywhere, so a sum is the world size and the rest 1.
             let (_, olen) = lengths(op, count, world);
-            let last = ranks.last().expect("a rank");
-            let got = last.output.slice(..olen)?.to_vec(&last.stream)?;
             let want = if matches!(op, Op::AllReduce | Op::ReduceScatter) {
                 world as f32
             } else {
                 1.0
             };
-            if let Some(i) = got.iter().position(|&v| v != want) {
-                return Err(handoff::Error::InvalidArgument(format!(
-                    "{op:?} at {bytes} B: element {i} is {}, want {want}",
-                    got[i]
-                )));
+            for (way, ranks) in Way::ALL.iter().zip(&ways) {
+                let last = ranks.last().expect("a rank");
+                let got = last.output.view().slice(..olen)?.to_vec(last.stream)?;
+                if let Some(i) = got.iter().position(|&v| v != want) {
+                    return Err(handoff::Error::InvalidArgument(format!(
+                        "{op:?} at {bytes} B, {way:?}: element {i} is {}, want {want}",
+                        got[i]
+                    )));
+                }
             }
             let row = harness::Row { bytes, count, us };
             if reports {
@@ -292,19 +332,25 @@ fn main() -> handoff::Result<()> {
             continue;
         }
         let name = format!("{op:?}").to_lowercase();
-        let path = format!("{}-{name}.csv", o.csv);
+        let prefix = match o.memory {
+            Memory::Pool => o.csv.clone(),
+            m => format!("{}-{}", o.csv, format!("{m:?}").to_lowercase()),
+        };
+        let path = format!("{prefix}-{name}.csv");
         std::fs::write(&path, harness::csv(&name, "f32", &rows, factor))
             .map_err(|e| handoff::Error::InvalidArgument(format!("writing {path}: {e}")))?;
         println!("# wrote {path}");
         if let Some(prefix) = &o.svg {
             let path = format!("{prefix}-{name}.svg");
-            let title = format!("handoff {name}: {label}, f32");
+            let title = format!("handoff {name}: {label}, f32, {}", o.memory.describe());
             harness::plot(&path, &title, &rows, factor).map_err(handoff::Error::InvalidArgument)?;
             println!("# wrote {path}");
         }
     }
-    for r in &ranks {
-        r.stream.synchronize()?;
+    for s in &streams {
+        s.synchronize()?;
     }
+    // Registrations and windows end before their buffers and communicators.
+    drop(ways);
     Ok(())
 }

@@ -34,7 +34,7 @@ stage_tests() { # $1: destination folder; the remaining arguments go to cargo
 # The cudarc feature too (its test, and the interop in every binary); cudarc's CUDA version is
 # chosen by whoever builds it.
 export CUDARC_CUDA_VERSION=13000
-stage_tests "$stage/tests" --features cudarc
+stage_tests "$stage/tests" --features cudarc,float8
 cargo build --profile device --examples
 find target/device/examples -maxdepth 1 -type f -executable ! -name '*-*' -exec cp {} "$stage/examples/" \;
 

@@ -13,7 +13,7 @@ use crate::engine::tracking::Access;
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, Cut, State, usable};
-use crate::nccl::types::NcclType;
+use crate::nccl::types::{self, NcclType, Use};
 use crate::nccl::verify::model::{self, Call};
 use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, P2P, REGISTERED};
 use crate::nccl::verify::{self, CollOps, Failure, PairOps};
@@ -356,6 +356,18 @@ impl<'a> Group<'a> {
         Ok(())
     }
 
+    /// Element types the loaded NCCL or the GPU would refuse (fp8: see [`types`]), before
+    /// anything is verified or posted: the communicators stay usable.
+    fn check_types(&self) -> Result<()> {
+        for o in &self.ops {
+            types::check_use(o.comm, o.dtype, Use::Move)?;
+        }
+        for c in &self.colls {
+            types::check_use(c.comm, c.dtype, Use::of(c.desc.kind, c.desc.redop))?;
+        }
+        Ok(())
+    }
+
     /// The stream of `comm`'s first operation: where its tracking event is recorded.
     fn first_stream(&self, comm: &Communicator) -> &'a Stream {
         self.all()
@@ -560,6 +572,7 @@ impl<'a> Group<'a> {
             return Ok(());
         }
         let comms = self.comms();
+        self.check_types()?;
         self.check_capture()?;
         // What NCCL will queue, expanded once for the checks and verification.
         let queued: SmallVec<[Queued<'a>; 8]> = self.queued().collect();

@@ -355,6 +355,25 @@ pub unsafe fn open_register(path: &Path, version: Option<i32>) -> Result<NcclReg
     unsafe { NcclRegisterLib::from_library(lib) }.map_err(|e| unsupported(e.to_string()))
 }
 
+/// What NCCL's fp8 element types need, for [`Error::Unsupported`].
+pub const FP8_NEEDS: &str = "NCCL 2.24.3 or newer (ncclFloat8e4m3 = 10 and ncclFloat8e5m2 = 11 \
+    appeared in 2.24.3's nccl.h; older versions refuse type codes past ncclBfloat16)";
+
+/// The first NCCL version code with fp8 element types: 2.24.3.
+pub const FP8_MIN_VERSION: i32 = 22403;
+
+static NCCL_VERSION: OnceCell<Option<i32>> = OnceCell::new();
+
+/// The loaded NCCL's `ncclGetVersion` code (read once), with the file it came from, for
+/// capability checks and their messages; `None` when it did not answer.
+///
+/// # Errors
+/// As [`nccl`].
+pub fn nccl_version_code() -> Result<(Option<i32>, &'static Path), Error> {
+    let (lib, path) = load_nccl().as_ref().map_err(Clone::clone)?;
+    Ok((*NCCL_VERSION.get_or_init(|| nccl_version(lib)), path.as_path()))
+}
+
 /// `ncclGetVersion`, if it answers.
 fn nccl_version(lib: &NcclLib) -> Option<i32> {
     let mut version = 0;

@@ -10,12 +10,19 @@ typedef struct { char internal[128]; } unique_id;
 struct comm { int nranks, rank; };
 
 static _Atomic int async_error;
+static _Atomic int version = 22803;
+static _Atomic int last_type = -1;
 
 STUB_COUNT_FN(nccl)
 /* What ncclCommGetAsyncError reports from now on, for every communicator. */
 void nccl_stub_set_async_error(int rc) { atomic_store(&async_error, rc); }
 
-res_t ncclGetVersion(int *v) { COUNT(); *v = 22803; return 0; }
+/* What ncclGetVersion reports from now on (the crate reads it at load, then once for fp8). */
+void nccl_stub_set_version(int v) { atomic_store(&version, v); }
+/* The data type given to the last call that takes one (a send, a receive, a collective). */
+int nccl_stub_last_type(void) { return atomic_load(&last_type); }
+
+res_t ncclGetVersion(int *v) { COUNT(); *v = atomic_load(&version); return 0; }
 res_t ncclGetUniqueId(unique_id *id) { COUNT(); memset(id, 0, sizeof *id); return 0; }
 static res_t make(struct comm **c, int nranks, int rank) {
     *c = calloc(1, sizeof **c);
@@ -58,20 +65,20 @@ const char *ncclGetErrorString(res_t r) { COUNT(); (void)r; return "an error of 
 const char *ncclGetLastError(struct comm *c) { COUNT(); (void)c; return ""; }
 res_t ncclGroupStart(void) { COUNT(); return 0; }
 res_t ncclGroupEnd(void) { COUNT(); return 0; }
-res_t ncclSend(const void *b, size_t n, int t, int peer, struct comm *c, void *s) { COUNT(); (void)b; (void)n; (void)t; (void)peer; (void)c; (void)s; return 0; }
-res_t ncclRecv(void *b, size_t n, int t, int peer, struct comm *c, void *s) { COUNT(); (void)b; (void)n; (void)t; (void)peer; (void)c; (void)s; return 0; }
+res_t ncclSend(const void *b, size_t n, int t, int peer, struct comm *c, void *s) { COUNT(); (void)b; (void)n; last_type = t; (void)peer; (void)c; (void)s; return 0; }
+res_t ncclRecv(void *b, size_t n, int t, int peer, struct comm *c, void *s) { COUNT(); (void)b; (void)n; last_type = t; (void)peer; (void)c; (void)s; return 0; }
 typedef const void *in_t;
 typedef void *out_t;
-res_t ncclAllReduce(in_t a, out_t b, size_t n, int t, int op, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)op; (void)c; (void)s; return 0; }
-res_t ncclBroadcast(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)root; (void)c; (void)s; return 0; }
-res_t ncclReduce(in_t a, out_t b, size_t n, int t, int op, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)op; (void)root; (void)c; (void)s; return 0; }
-res_t ncclAllGather(in_t a, out_t b, size_t n, int t, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)c; (void)s; return 0; }
-res_t ncclReduceScatter(in_t a, out_t b, size_t n, int t, int op, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)op; (void)c; (void)s; return 0; }
-res_t ncclAlltoAll(in_t a, out_t b, size_t n, int t, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)c; (void)s; return 0; }
-res_t ncclGather(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)root; (void)c; (void)s; return 0; }
-res_t ncclScatter(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; (void)t; (void)root; (void)c; (void)s; return 0; }
+res_t ncclAllReduce(in_t a, out_t b, size_t n, int t, int op, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)op; (void)c; (void)s; return 0; }
+res_t ncclBroadcast(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)root; (void)c; (void)s; return 0; }
+res_t ncclReduce(in_t a, out_t b, size_t n, int t, int op, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)op; (void)root; (void)c; (void)s; return 0; }
+res_t ncclAllGather(in_t a, out_t b, size_t n, int t, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)c; (void)s; return 0; }
+res_t ncclReduceScatter(in_t a, out_t b, size_t n, int t, int op, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)op; (void)c; (void)s; return 0; }
+res_t ncclAlltoAll(in_t a, out_t b, size_t n, int t, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)c; (void)s; return 0; }
+res_t ncclGather(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)root; (void)c; (void)s; return 0; }
+res_t ncclScatter(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)root; (void)c; (void)s; return 0; }
 res_t ncclRedOpCreatePreMulSum(int *op, void *scalar, int t, int residence, struct comm *c) {
-    COUNT(); (void)scalar; (void)t; (void)residence; (void)c;
+    COUNT(); (void)scalar; last_type = t; (void)residence; (void)c;
     *op = 5;
     return 0;
 }
