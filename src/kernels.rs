@@ -16,6 +16,7 @@ use std::time::Duration;
 use bytemuck::Pod;
 use once_cell::sync::OnceCell;
 
+use crate::cuda::buffer::DeviceBuffer;
 use crate::cuda::module::{Function, LaunchConfig, Module};
 use crate::cuda::stream::Stream;
 use crate::cuda::view::{View, ViewMut, check_len};
@@ -238,6 +239,29 @@ pub(crate) fn fill<T: Pod>(dst: ViewMut<'_, T>, value: T, stream: &Stream) -> Re
     }
 }
 
+/// [`ViewMut::fill`] and [`DeviceBuffer::fill`]: here, beside the kernel they launch.
+impl<T: Pod> ViewMut<'_, T> {
+    /// Sets every element to `value`, on `stream`, after every earlier use of the buffer;
+    /// returns at once. Elements of up to 16 bytes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an element over 16 bytes, or `stream` on another device;
+    /// CUDA errors.
+    pub fn fill(&mut self, value: T, stream: &Stream) -> Result<()> {
+        fill(self.reborrow(), value, stream)
+    }
+}
+
+impl<T: Pod> DeviceBuffer<T> {
+    /// Sets every element to `value`; see [`ViewMut::fill`].
+    ///
+    /// # Errors
+    /// As [`ViewMut::fill`].
+    pub fn fill(&mut self, value: T, stream: &Stream) -> Result<()> {
+        self.view_mut().fill(value, stream)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,7 +283,7 @@ mod tests {
     /// 2^64 - 1 iterations: now nothing is launched (no GPU here: a launch would fail).
     #[test]
     fn filling_nothing_launches_nothing() {
-        let device = crate::cuda::device::Device::for_tests();
+        let device = crate::engine::device::Device::for_tests();
         let stream = Stream::for_tests(&device);
         let tracked = crate::engine::Tracked::new(&device);
         let mut unit = ();

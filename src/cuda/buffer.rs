@@ -1,12 +1,15 @@
 //! [`DeviceBuffer`]: typed device memory whose every use is tracked.
 
+use std::sync::Arc;
+
+use crate::engine::device::PooledEvent;
 use std::marker::PhantomData;
 
 use bytemuck::Pod;
 
-use crate::cuda::device::Device;
 use crate::cuda::stream::Stream;
 use crate::engine::Tracked;
+use crate::engine::device::Device;
 use crate::engine::tracking::Access;
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
@@ -40,13 +43,34 @@ pub struct DeviceBuffer<T: Pod> {
 }
 
 /// Where a buffer's memory came from, which decides how it is freed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub(crate) enum Alloc {
     /// The device's stream-ordered pool (`cudaMallocAsync`), freed with `cudaFreeAsync`.
     Pool,
-    /// `ncclMemAlloc`, freed with `ncclMemFree` once every use has completed
-    /// ([`crate::nccl::memory`]).
-    Nccl,
+    /// Another allocator's, which frees it once every use has completed: `ncclMemAlloc`'s
+    /// (the NCCL half's, `nccl/memory.rs`).
+    Other(&'static Allocator),
+}
+
+/// An allocator other than the device's pool, as a buffer needs it.
+pub(crate) struct Allocator {
+    /// For messages.
+    pub(crate) name: &'static str,
+    /// Whether its memory is NCCL's (`ncclMemAlloc`), which verification compares.
+    pub(crate) nccl_memory: bool,
+    /// `bytes` (more than 0) on the device, usable by every stream once it returns.
+    pub(crate) alloc: fn(&Device, usize) -> Result<*mut std::ffi::c_void>,
+    /// Frees `ptr` (from `alloc`, never freed before) now, after waiting for every event in
+    /// `pending`, which holds every use of it not known complete.
+    pub(crate) free_now: unsafe fn(*mut std::ffi::c_void, &[Arc<PooledEvent>]) -> Result<()>,
+    /// As `free_now`, without blocking: once every event in `pending` has completed.
+    pub(crate) free_after: unsafe fn(*mut std::ffi::c_void, Vec<Arc<PooledEvent>>),
+}
+
+impl std::fmt::Debug for Allocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name)
+    }
 }
 
 /// The NCCL registrations of a buffer's memory ([`crate::nccl::register`]): kept by the
@@ -73,7 +97,7 @@ impl<T: Pod> std::fmt::Debug for DeviceBuffer<T> {
             .field("type", &std::any::type_name::<T>())
             .field("len", &self.len)
             .field("device", &self.device.ordinal())
-            .field("nccl_alloc", &(self.alloc == Alloc::Nccl))
+            .field("nccl_alloc", &self.is_nccl_alloc())
             .finish()
     }
 }
@@ -95,7 +119,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// Allocates `len` elements of `alloc`'s kind on `stream`'s device without initialising
     /// them: the contents are whatever the memory held (any bit pattern is a valid `T`, as
     /// `T: Pod`).
-    fn alloc(stream: &Stream, len: usize, alloc: Alloc) -> Result<Self> {
+    pub(crate) fn alloc(stream: &Stream, len: usize, alloc: Alloc) -> Result<Self> {
         let bytes = byte_len::<T>(len)?;
         let device = stream.device().clone();
         // Length 0 until the memory exists, so that an early return frees nothing.
@@ -103,8 +127,8 @@ impl<T: Pod> DeviceBuffer<T> {
             ptr: std::ptr::NonNull::<T>::dangling().as_ptr(),
             len: 0,
             tracked: match alloc {
-                Alloc::Pool => Tracked::new(&device),
-                Alloc::Nccl => Tracked::new_nccl(&device),
+                Alloc::Other(a) if a.nccl_memory => Tracked::new_nccl(&device),
+                Alloc::Pool | Alloc::Other(_) => Tracked::new(&device),
             },
             device,
             alloc,
@@ -123,7 +147,7 @@ impl<T: Pod> DeviceBuffer<T> {
             let ptr = stream.enqueue_work(&[(&buf.tracked, Access::Write)], work, |s| match alloc {
                 // SAFETY: the stream is live and its device is current (enqueue set it).
                 Alloc::Pool => unsafe { cu::malloc_async(bytes, s) },
-                Alloc::Nccl => crate::nccl::memory::alloc(stream.device(), bytes),
+                Alloc::Other(a) => (a.alloc)(stream.device(), bytes),
             })?;
             buf.ptr = ptr.cast::<T>();
         }
@@ -131,37 +155,9 @@ impl<T: Pod> DeviceBuffer<T> {
         Ok(buf)
     }
 
-    /// As [`DeviceBuffer::zeros`], with memory from `ncclMemAlloc`: CUDA virtual memory
-    /// (`cuMemCreate`) that NCCL can map into its peers' address spaces, which its registered
-    /// paths ([`Communicator::register`](crate::Communicator::register)) and symmetric windows
-    /// ([`Communicator::register_window`](crate::Communicator::register_window)) need. Tracked
-    /// like any buffer; dropped, it is freed (`ncclMemFree`) once its last use has completed,
-    /// without blocking. NCCL rounds the size up to the allocation granularity (2 MiB on an
-    /// H200): prefer few large buffers.
-    ///
-    /// # Errors
-    /// As [`DeviceBuffer::zeros`]; [`Error::Unsupported`] when the loaded NCCL lacks
-    /// `ncclMemAlloc`; NCCL errors.
-    pub fn zeros_nccl(len: usize, stream: &Stream) -> Result<Self> {
-        let mut buf = Self::alloc(stream, len, Alloc::Nccl)?;
-        buf.memset_zero(stream)?;
-        Ok(buf)
-    }
-
-    /// As [`DeviceBuffer::from_slice`], with memory from `ncclMemAlloc` (see
-    /// [`DeviceBuffer::zeros_nccl`]).
-    ///
-    /// # Errors
-    /// As [`DeviceBuffer::zeros_nccl`] and [`DeviceBuffer::from_slice`].
-    pub fn from_slice_nccl(data: &[T], stream: &Stream) -> Result<Self> {
-        let mut buf = Self::alloc(stream, data.len(), Alloc::Nccl)?;
-        buf.copy_from_slice(data, stream)?;
-        Ok(buf)
-    }
-
     /// Whether the memory came from `ncclMemAlloc` ([`DeviceBuffer::zeros_nccl`]).
     pub fn is_nccl_alloc(&self) -> bool {
-        self.alloc == Alloc::Nccl
+        matches!(self.alloc, Alloc::Other(a) if a.nccl_memory)
     }
 
     /// A buffer of `len` zeroed elements, allocated and zeroed in order on `stream`. Returns
@@ -250,7 +246,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// CUDA errors.
     pub fn synchronize(&self) -> Result<()> {
         let events: Vec<_> = self.tracked.lock().uses().map(|u| u.event.clone()).collect();
-        crate::cuda::device::wait_all(&events)
+        crate::engine::device::wait_all(&events)
     }
 
     pub(crate) fn tracked(&self) -> &Tracked {
@@ -285,9 +281,9 @@ impl<T: Pod> DeviceBuffer<T> {
     #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
     pub(crate) fn into_raw_parts(
         mut self,
-        mut wait: impl FnMut(&crate::cuda::device::PooledEvent) -> Result<()>,
+        mut wait: impl FnMut(&crate::engine::device::PooledEvent) -> Result<()>,
     ) -> Result<(*mut T, usize)> {
-        if self.alloc != Alloc::Pool {
+        if !matches!(self.alloc, Alloc::Pool) {
             return Err(Error::InvalidArgument(
                 "memory from ncclMemAlloc (DeviceBuffer::zeros_nccl) cannot be given to cudarc, \
                  which would free it with cuMemFreeAsync; copy it into a DeviceBuffer::zeros first"
@@ -343,16 +339,16 @@ impl<T: Pod> DeviceBuffer<T> {
                 self.byte_len()
             )));
         }
-        if self.alloc == Alloc::Nccl {
+        if let Alloc::Other(a) = self.alloc {
             let ptr = self.ptr.cast();
             return if wait {
-                // SAFETY: from ncclMemAlloc, freed once (the caller then leaves the buffer
+                // SAFETY: from the allocator, freed once (the caller then leaves the buffer
                 // empty); unregistered (checked above); retired, and every pending use is in
                 // `pending`.
-                unsafe { crate::nccl::memory::free_now(ptr, &pending) }
+                unsafe { (a.free_now)(ptr, &pending) }
             } else {
                 // SAFETY: as above.
-                unsafe { crate::nccl::memory::free_after(ptr, pending) };
+                unsafe { (a.free_after)(ptr, pending) };
                 Ok(())
             };
         }

@@ -65,7 +65,8 @@
 //!   ends when the graph is dropped, so neither the watchdog nor a failing launch waits for the
 //!   graph they are part of, and a replay racing the abort stops at once on the GPU with
 //!   NCCL's resources still alive. Make the graph's communicator with
-//!   [`Communicator::split`] (or a fresh [`Communicator::new`]).
+//!   [`Communicator::split`](crate::Communicator::split) (or a fresh
+//!   [`Communicator::new`](crate::Communicator::new)).
 //! - **Threads.** While a capture is under way, only the thread running its closure can queue
 //!   work on the stream; another thread's tracked work there is refused, not moved into the
 //!   graph behind its back. The engine decides each refusal under the stream's order lock,
@@ -87,12 +88,11 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::cuda::device::{Device, Origin, PooledEvent};
 use crate::cuda::stream::Stream;
+use crate::engine::device::{Device, Origin, PooledEvent};
 use crate::engine::tracking::{Access, StreamId};
 use crate::engine::{self, CaptureState, Captured, Keep, Replay, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
-use crate::nccl::Communicator;
 use crate::result::cudart as cu;
 use crate::sys::cudart::cudaGraphExec_t;
 
@@ -132,7 +132,7 @@ pub struct Graph {
     /// What the nodes refer to besides memory (kernels' modules).
     _keep: Vec<Keep>,
     /// The graph's own communicator, for graphs with NCCL operations. Dropped after `exec`.
-    comm: Option<Communicator>,
+    comm: Option<Box<dyn GraphComm>>,
     /// Recorded by every replay, on the GPU, as its last node (`cudaEventRecordExternal` at
     /// the end of the capture): the tracking event of the latest replay launched, which a
     /// launch stores as the latest use of the graph's buffers without recording anything.
@@ -306,34 +306,10 @@ impl Graph {
         Self::capture_inner(stream, None, |s, _| body(s))
     }
 
-    /// As [`Graph::capture`], with NCCL operations on `comm`, which the graph owns from now on
-    /// (it is dropped with the graph, or at once if the capture fails). `body` gets it back by
-    /// reference to queue sends, receives, collectives and groups on `stream` (or on streams
-    /// joined to the capture); they are
-    /// verified across ranks now, as eager ones are, and replayed without being checked again.
-    /// Every rank must capture the same NCCL operations on this communicator, and replay the
-    /// graph as often as the others: a rank left waiting is aborted by the watchdog after the
-    /// communicator's timeout. A graph with NCCL operations replays only on `stream`. Send and
-    /// receive with each peer once, eagerly, before capturing (see the [module
-    /// documentation](self): NCCL cannot connect peers inside a capture).
-    ///
-    /// # Errors
-    /// As [`Graph::capture`]; [`Error::Capture`] for an NCCL operation of another communicator,
-    /// or of this one on another stream, or a PreMulSum collective; verification's errors.
-    pub fn capture_with(
-        comm: Communicator,
+    pub(crate) fn capture_inner(
         stream: &Stream,
-        body: impl FnOnce(&Stream, &Communicator) -> Result<()>,
-    ) -> Result<Graph> {
-        Self::capture_inner(stream, Some(comm), |s, c| {
-            body(s, c.expect("capture_with passes its communicator"))
-        })
-    }
-
-    fn capture_inner(
-        stream: &Stream,
-        mut comm: Option<Communicator>,
-        body: impl FnOnce(&Stream, Option<&Communicator>) -> Result<()>,
+        mut comm: Option<Box<dyn GraphComm>>,
+        body: impl FnOnce(&Stream, Option<&dyn GraphComm>) -> Result<()>,
     ) -> Result<Graph> {
         stream.device().set_current()?;
         let replayed = stream.device().take_replayed_event()?;
@@ -357,15 +333,12 @@ impl Graph {
             // that the function's contract leaves to handoff: the capture state set below, under
             // the same lock, sends every tracked operation on the stream to the capture branch.
             unsafe { cu::stream_begin_capture(stream.as_raw()) }?;
-            *state = Some(CaptureState::new(
-                stream.device(),
-                comm.as_ref().map(Communicator::key),
-            ));
+            *state = Some(CaptureState::new(stream.device(), comm.as_ref().map(|c| c.key())));
         }
         let capturing = Capturing { stream, ended: false };
         let ran = {
             let _here = engine::CapturingHere::enter();
-            body(stream, comm.as_ref())
+            body(stream, comm.as_deref())
         };
         let (graph, captured) = capturing.end(ran.is_ok().then_some(&*replayed));
         let graph = match (ran, graph) {
@@ -387,9 +360,7 @@ impl Graph {
         // In the engine's lock order (by key) once, so that a replay sorts nothing.
         let mut uses = captured.uses.uses().to_vec();
         uses.sort_by_key(|(t, _)| t.key());
-        let origin = comm
-            .as_ref()
-            .map(|c| c.origin((0..c.world_size()).filter(|&r| r != c.rank()).collect()));
+        let origin = comm.as_ref().map(|c| c.replay_origin());
         // A graph without NCCL operations does not need the communicator; keep it anyway: it
         // was given to the graph, and its verification order has moved on with the capture.
         Ok(Graph {
@@ -407,6 +378,11 @@ impl Graph {
             )),
             origin,
         })
+    }
+
+    /// The graph's communicator, if it has one.
+    pub(crate) fn comm(&self) -> Option<&dyn GraphComm> {
+        self.comm.as_deref()
     }
 
     /// Runs the captured work once on `stream` (of the graph's device), after the earlier
@@ -455,7 +431,7 @@ impl Graph {
                     .into(),
             ));
         }
-        self.bound_in_flight(comm)?;
+        self.bound_in_flight(comm.as_ref())?;
         let key = [comm.key()];
         let n = self.launches.get() + 1;
         // Counted whatever happens below: a replay counted but not launched only makes the
@@ -467,7 +443,10 @@ impl Graph {
         };
         engine::enqueue_replay(
             &uses,
-            Work::Nccl { comms: &key },
+            Work::Nccl {
+                comms: &key,
+                abort: comm.aborter(),
+            },
             replay,
             |current| {
                 comm.check_usable()?;
@@ -501,7 +480,7 @@ impl Graph {
     /// of its own: the communicator's watchdog counts one for those replays, as for any NCCL
     /// work, and past it aborts the communicator, which ends them (and this wait, with the
     /// abort's error).
-    fn bound_in_flight(&self, comm: &Communicator) -> Result<()> {
+    fn bound_in_flight(&self, comm: &dyn GraphComm) -> Result<()> {
         let launched = self.launches.get();
         if launched - self.completed.get() < MAX_REPLAYS_IN_FLIGHT as u64 {
             return Ok(());
@@ -536,10 +515,25 @@ impl Graph {
         self.completed.set(n);
         Ok(())
     }
+}
 
-    /// The graph's communicator, for graphs made with [`Graph::capture_with`]: to wait for its
-    /// replays ([`Communicator::synchronize`]) or read its rank.
-    pub fn communicator(&self) -> Option<&Communicator> {
-        self.comm.as_ref()
-    }
+/// What a graph with NCCL operations needs of its communicator: implemented by the NCCL half's
+/// [`Communicator`](crate::Communicator) (`nccl/graph.rs`, with [`Graph::capture_with`]), so that
+/// the CUDA half names nothing of it.
+pub(crate) trait GraphComm: Send + 'static {
+    /// The communicator's key (the engine's and the capture's name for it).
+    fn key(&self) -> usize;
+    /// Hands the communicator to the graph (see `Communicator::give_to_graph`).
+    fn give_to_graph(&mut self) -> Result<()>;
+    /// An error once the communicator is unusable (aborted, its watchdog gone).
+    fn check_usable(&self) -> Result<()>;
+    /// What a replay's tracking event asks at a host read: whether the communicator's work,
+    /// which received from every other rank, was cut short.
+    fn replay_origin(&self) -> Arc<dyn Origin>;
+    /// Queues `event`, recorded after a replay that ran `before` first, for the watchdog.
+    fn note_pending_from(&self, event: &Arc<PooledEvent>, before: &engine::Before, origin: &Arc<dyn Origin>);
+    /// How the engine aborts the communicator by key when it cannot track a replay.
+    fn aborter(&self) -> fn(usize, &str);
+    /// The communicator itself, for [`Graph::communicator`].
+    fn as_any(&self) -> &dyn std::any::Any;
 }

@@ -680,7 +680,7 @@ mod tests {
     /// its value, in order: on the plain structures, no GPU needed.
     #[test]
     fn argument_types_declare_their_access() {
-        let device = crate::cuda::device::Device::for_tests();
+        let device = crate::engine::device::Device::for_tests();
         let stream = Stream::for_tests(&device);
         let function = Function {
             kernel: std::ptr::null_mut(),

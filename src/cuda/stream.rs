@@ -1,94 +1,21 @@
-//! [`Stream`] and [`Event`], and the one place where tracked operations are queued.
+//! [`Stream`]'s public face (making one, waiting, events, raw work declared with [`RawUse`]) and
+//! [`Event`]. The type itself, the per-stream state the engine keeps, is the engine's
+//! ([`crate::engine::stream`]).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytemuck::Pod;
 
-use crate::cuda::device::{Device, PooledEvent};
 use crate::cuda::view::{View, ViewMut};
-use crate::engine::tracking::{Access, RecordOrder, StreamId, UseTracker, record_and_store};
-use crate::engine::{self, CaptureState, StreamState, Tracked, TrackedUse, Work};
+use crate::engine::device::Device;
+use crate::engine::tracking::{Access, StreamId, record_and_store};
+use crate::engine::{self, CaptureState, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
 use crate::sys::cudart::{cudaEvent_t, cudaStream_t};
 
-/// A CUDA stream: a queue of GPU work that runs in order.
-///
-/// Created non-blocking (`cudaStreamNonBlocking`), so it never synchronises implicitly with the
-/// legacy default stream. A call that queues work returns before the work runs; a
-/// [`DeviceBuffer`](crate::DeviceBuffer) keeps track of which streams still use it and makes
-/// later conflicting work wait on the GPU, so queueing in any order on any streams is safe.
-///
-/// Dropping a stream does not wait: work already queued still runs, and the handle is kept by
-/// the device for a later [`Stream::new`].
-pub struct Stream {
-    raw: cudaStream_t,
-    id: StreamId,
-    device: Device,
-    /// Serialises recording tracking events here with storing them (see [`RecordOrder`]), and
-    /// holds the graph capture under way here, if any.
-    order: Arc<RecordOrder<StreamState>>,
-    /// The newest tracking event recorded here, and the newest after an NCCL operation.
-    last: Mutex<Last>,
-    /// For a stream that belongs to someone else (cudarc's): what keeps its handle alive. Such
-    /// a handle is never parked for reuse.
-    owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
-}
-
-#[derive(Default)]
-struct Last {
-    any: Option<Arc<PooledEvent>>,
-    nccl: Option<Arc<PooledEvent>>,
-}
-
-/// The handles of other owners' streams that a live `Stream` wraps (see
-/// [`Stream::from_owned_handle`]): few, so a list.
-fn wrapped_handles() -> MutexGuard<'static, Vec<usize>> {
-    static WRAPPED: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-    WRAPPED.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-// SAFETY: CUDA streams may be used from any host thread; the runtime serialises access.
-unsafe impl Send for Stream {}
-// SAFETY: every method takes `&self` and makes only thread-safe runtime calls.
-unsafe impl Sync for Stream {}
-
-impl std::fmt::Debug for Stream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stream")
-            .field("id", &self.id.0)
-            .field("device", &self.device.ordinal())
-            .finish()
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        // Joined to a capture under way: CUDA captures the handle until the capture ends, so it
-        // is parked (or let go of) only then (see `Graph`'s end of capture).
-        if let Some(capture) = self.order.hold().as_ref() {
-            let mut shared = capture.lock();
-            if let Some(fork) = shared
-                .forked
-                .iter_mut()
-                .find(|f| Arc::ptr_eq(&f.order, &self.order))
-            {
-                fork.dropped = self.owner.is_none();
-                if self.owner.is_some() {
-                    wrapped_handles().retain(|&h| h != self.raw as usize);
-                }
-                return;
-            }
-        }
-        // Trackers refer to this stream's work by event and by a StreamId that is never
-        // reused, never by handle, so handing the handle to a later Stream is safe.
-        if self.owner.is_none() {
-            self.device.park_stream(self.raw);
-        } else {
-            wrapped_handles().retain(|&h| h != self.raw as usize);
-        }
-    }
-}
+pub use crate::engine::stream::Stream;
+pub(crate) use crate::engine::stream::wrapped_handles;
 
 impl Stream {
     /// A new stream on `device`.
@@ -105,19 +32,6 @@ impl Stream {
             last: Mutex::default(),
             owner: None,
         })
-    }
-
-    /// A stream with a null handle, for CPU tests that never queue work on it.
-    #[cfg(test)]
-    pub(crate) fn for_tests(device: &Device) -> Stream {
-        Stream {
-            raw: std::ptr::null_mut(),
-            id: StreamId::fresh(),
-            device: device.clone(),
-            order: Arc::default(),
-            last: Mutex::default(),
-            owner: None,
-        }
     }
 
     /// A stream over someone else's handle, kept alive by `owner`, never parked.
@@ -155,24 +69,6 @@ impl Stream {
         })
     }
 
-    /// The device the stream belongs to.
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
-
-    /// The raw handle, for calling CUDA or NCCL directly. Work queued through it is not
-    /// tracked: the caller takes on the ordering that the safe API otherwise provides.
-    ///
-    /// The handle of a stream made by [`Stream::new`] must not be captured into a CUDA graph
-    /// except through [`crate::Graph`] (no `cudaStreamBeginCapture` on it, nor a capture that
-    /// reaches it through an event wait): handoff does not ask CUDA whether its own streams
-    /// are being captured, and tracked work queued there during such a capture would become
-    /// part of that graph, untracked. (A stream wrapped from cudarc, whose safe API can begin a
-    /// capture, is asked before every tracked operation.)
-    pub fn as_raw(&self) -> cudaStream_t {
-        self.raw
-    }
-
     /// Blocks the host until all work queued so far on this stream has completed.
     ///
     /// Never waits forever behind an NCCL operation: a communicator's watchdog aborts one that
@@ -184,7 +80,7 @@ impl Stream {
     pub fn synchronize(&self) -> Result<()> {
         let nccl = self.last().nccl.clone();
         self.synchronize_raw()?;
-        let r = check_poison(nccl.as_deref());
+        let r = crate::engine::device::check_poison(nccl.as_deref());
         if r.is_err() {
             // Reported once: later waits on the stream are about later work.
             let mut last = self.last();
@@ -197,25 +93,6 @@ impl Stream {
             }
         }
         r
-    }
-
-    fn last(&self) -> MutexGuard<'_, Last> {
-        self.last.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Remembers `event` as the newest recorded here (`nccl`: after an NCCL operation). Called
-    /// under [`RecordOrder`], so the newest stays newest.
-    pub(crate) fn note_recorded(&self, event: &Arc<PooledEvent>, nccl: bool) {
-        let mut last = self.last();
-        last.any = Some(event.clone());
-        if nccl {
-            last.nccl = Some(event.clone());
-        }
-    }
-
-    /// The newest tracking event recorded here: work queued now starts after it completes.
-    pub(crate) fn last_recorded(&self) -> Option<Arc<PooledEvent>> {
-        self.last().any.clone()
     }
 
     /// True when all work queued so far has completed; does not block.
@@ -323,26 +200,6 @@ impl Stream {
         }
     }
 
-    pub(crate) fn check_device(&self, other: &Device, what: &str) -> Result<()> {
-        if self.device.same(other) {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(format!(
-                "{what} is on device {} but the stream is on device {}",
-                other.ordinal(),
-                self.device.ordinal()
-            )))
-        }
-    }
-
-    pub(crate) fn id(&self) -> StreamId {
-        self.id
-    }
-
-    pub(crate) fn order(&self) -> &RecordOrder<StreamState> {
-        &self.order
-    }
-
     /// Runs `f` (which queues `what` on this stream, untracked) under the stream's order, unless
     /// handoff is capturing a graph here: [`Error::Capture`] then, as a graph cannot hold it.
     /// Held, so that no capture can begin in between.
@@ -352,29 +209,6 @@ impl Stream {
             return Err(engine::not_capturable(what));
         }
         f()
-    }
-
-    /// [`Error::Capture`] when someone other than handoff is capturing this stream into a CUDA
-    /// graph: tracking's events recorded there would be part of that graph, never complete as
-    /// events, and later waits on them would order nothing. Asked of CUDA only for streams
-    /// wrapped from someone else (cudarc's, whose safe API can begin a capture): handoff's own
-    /// are captured only through [`crate::Graph`], as [`Stream::as_raw`] requires, which the
-    /// stream's capture state shows.
-    pub(crate) fn check_not_captured_elsewhere(&self) -> Result<()> {
-        if self.owner.is_none() {
-            return Ok(());
-        }
-        // SAFETY: the handle is live for as long as `self`.
-        if unsafe { cu::stream_is_capturing(self.raw) }? {
-            return Err(Error::Capture {
-                detail: format!(
-                    "stream {} is being captured into a CUDA graph outside handoff: tracked work \
-                     cannot be queued on it (capture with handoff::Graph, or end the capture)",
-                    self.id.0
-                ),
-            });
-        }
-        Ok(())
     }
 
     /// Queues one operation on this stream that uses the given memory, through the crate's one
@@ -426,53 +260,6 @@ impl Stream {
             self.synchronize_raw()?;
         }
         Ok(out)
-    }
-
-    pub(crate) fn check_tracked(&self, t: &Tracked, access: Access) -> Result<()> {
-        let what = if access == Access::Read {
-            "an input buffer"
-        } else {
-            "an output buffer"
-        };
-        self.check_device(&t.device, what)
-    }
-
-    /// Makes this stream wait, on the GPU, for the uses in `tracker` (locked by the caller) that
-    /// an `access` here conflicts with, adding them to `waited` if given. The stream's device
-    /// must be current.
-    pub(crate) fn wait_for_conflicts(
-        &self,
-        tracker: &UseTracker<Arc<PooledEvent>>,
-        access: Access,
-        mut waited: Option<&mut engine::Before>,
-    ) -> Result<()> {
-        for e in tracker.waits(self.id, access) {
-            // SAFETY: the stream is live; the event is kept alive by the tracker.
-            unsafe { cu::stream_wait_event(self.raw, e.raw)? };
-            if let Some(w) = waited.as_deref_mut() {
-                w.push(e.clone());
-            }
-        }
-        Ok(())
-    }
-
-    /// Blocks until the stream's work has completed, without reporting an NCCL abort.
-    pub(crate) fn synchronize_raw(&self) -> Result<()> {
-        // SAFETY: the handle is live for as long as `self`.
-        unsafe { cu::stream_synchronize(self.raw) }
-    }
-
-    /// A pooled event recorded here now.
-    pub(crate) fn record_event(&self) -> Result<Arc<PooledEvent>> {
-        self.record_pooled(self.device.take_event()?)
-    }
-
-    /// Records `event`, a pooled event of this stream's device referred to by no tracker yet,
-    /// here now.
-    pub(crate) fn record_pooled(&self, event: Arc<PooledEvent>) -> Result<Arc<PooledEvent>> {
-        // SAFETY: both handles are live and of the same device.
-        unsafe { cu::event_record(event.raw, self.raw)? };
-        Ok(event)
     }
 }
 
@@ -552,16 +339,6 @@ impl Stream {
     pub unsafe fn raw_use<R>(&self, uses: &[RawUse<'_>], work: impl FnOnce(cudaStream_t) -> R) -> Result<R> {
         let uses: Vec<(&Tracked, Access)> = uses.iter().map(|u| (u.tracked, u.access)).collect();
         self.enqueue(&uses, |s| Ok(work(s)))
-    }
-}
-
-/// Ok unless the work before `event` was an NCCL operation cut short by an abort.
-pub(crate) fn check_poison(event: Option<&PooledEvent>) -> Result<()> {
-    match event.and_then(|e| e.poisoned()) {
-        Some(reason) => Err(Error::CommunicatorUnusable {
-            reason: format!("an NCCL operation this wait depends on did not complete: {reason}"),
-        }),
-        None => Ok(()),
     }
 }
 

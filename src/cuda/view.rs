@@ -61,8 +61,8 @@ use std::sync::Arc;
 use bytemuck::Pod;
 
 use crate::cuda::buffer::DeviceBuffer;
-use crate::cuda::device::{Device, PooledEvent};
 use crate::cuda::stream::Stream;
+use crate::engine::device::{Device, PooledEvent};
 use crate::engine::tracking::Access;
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
@@ -236,7 +236,7 @@ impl<'a, T: Pod> View<'a, T> {
             return Err(e);
         }
         // The copy has completed; its source may have been a receive that an abort cut short.
-        crate::cuda::stream::check_poison(written_by.as_deref())?;
+        crate::engine::device::check_poison(written_by.as_deref())?;
         // SAFETY: the copy above wrote all `len` elements, and any bit pattern is a valid `T`.
         unsafe { out.set_len(self.len) };
         Ok(out)
@@ -435,16 +435,6 @@ impl<'a, T: Pod> ViewMut<'a, T> {
                 how,
             )
         }
-    }
-
-    /// Sets every element to `value`, on `stream`, after every earlier use of the buffer;
-    /// returns at once. Elements of up to 16 bytes.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for an element over 16 bytes, or `stream` on another device;
-    /// CUDA errors.
-    pub fn fill(&mut self, value: T, stream: &Stream) -> Result<()> {
-        crate::kernels::fill(self.reborrow(), value, stream)
     }
 }
 
@@ -742,14 +732,6 @@ impl<T: Pod> DeviceBuffer<T> {
     /// As [`ViewMut::copy_from`].
     pub fn copy_from<'s>(&mut self, src: impl Into<View<'s, T>>, stream: &Stream) -> Result<()> {
         self.view_mut().copy_from(src, stream)
-    }
-
-    /// Sets every element to `value`; see [`ViewMut::fill`].
-    ///
-    /// # Errors
-    /// As [`ViewMut::fill`].
-    pub fn fill(&mut self, value: T, stream: &Stream) -> Result<()> {
-        self.view_mut().fill(value, stream)
     }
 }
 

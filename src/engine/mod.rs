@@ -29,12 +29,14 @@
 //! orders it after the capture's conflicting uses, through events recorded into the capture.
 //! On a stream someone else captures, nothing is queued ([`Error::Capture`]).
 
+pub(crate) mod device;
+pub(crate) mod stream;
 pub(crate) mod tracking;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::cuda::device::{Device, PooledEvent};
-use crate::cuda::stream::Stream;
+use crate::engine::device::{Device, PooledEvent};
+use crate::engine::stream::Stream;
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
 use tracking::{Access, CapturedUses, Held, UseTracker, record_and_store};
@@ -279,7 +281,7 @@ impl CaptureState {
         }
         match work {
             Work::Uncapturable { what } => Err(not_capturable(what)),
-            Work::Nccl { comms } if comms.iter().any(|c| self.comm != Some(*c)) => {
+            Work::Nccl { comms, .. } if comms.iter().any(|c| self.comm != Some(*c)) => {
                 Err(capture_error(NOT_THE_GRAPHS))
             }
             Work::Nccl { .. } | Work::Cuda { .. } => Ok(()),
@@ -533,7 +535,12 @@ pub(crate) enum Work<'k> {
     /// that captures it must keep alive.
     Cuda { keep: Option<&'k Keep> },
     /// NCCL work on the communicators with these keys ([`crate::Communicator`]'s `key`).
-    Nccl { comms: &'k [usize] },
+    /// `abort` aborts one of them by key: what the engine does when it cannot track their work
+    /// (the NCCL half's, so that the engine needs nothing of it).
+    Nccl {
+        comms: &'k [usize],
+        abort: fn(usize, &str),
+    },
     /// CUDA work that a graph cannot hold (an allocation, a copy from or to a host slice):
     /// refused in a capture, checked under the stream's order so that a capture begun by
     /// another thread cannot slip in between.
@@ -758,13 +765,13 @@ fn enqueue_with<R>(
                 // watchdog never saw it: its communicators are aborted first, which ends their
                 // kernels, so the wait is bounded. If even waiting fails, the device is in
                 // CUDA's sticky error state, where no further work runs.
-                if let Work::Nccl { comms } = work {
+                if let Work::Nccl { comms, abort } = work {
                     let reason = format!(
                         "the event tracking an NCCL operation could not be recorded after it ({e}): \
                          the operation cannot be watched, so its communicator was aborted"
                     );
                     for &key in comms {
-                        crate::nccl::Communicator::abort_by_key(key, &reason);
+                        abort(key, &reason);
                     }
                 }
                 for v in mine() {
@@ -882,6 +889,8 @@ mod tests {
         }
     }
 
+    fn no_abort(_: usize, _: &str) {}
+
     fn refused(r: Result<()>) -> String {
         match r {
             Err(Error::Capture { detail }) => detail,
@@ -914,15 +923,39 @@ mod tests {
     fn a_capture_admits_its_threads_cuda_work_and_its_communicators_nccl() {
         let c = capture(Some(7));
         assert!(c.admit(false, Work::Cuda { keep: None }).is_ok());
-        assert!(c.admit(false, Work::Nccl { comms: &[7] }).is_ok());
+        assert!(
+            c.admit(
+                false,
+                Work::Nccl {
+                    comms: &[7],
+                    abort: no_abort
+                }
+            )
+            .is_ok()
+        );
     }
 
     #[test]
     fn a_capture_refuses_what_a_graph_cannot_hold() {
         let c = capture(Some(7));
-        let d = refused(c.admit(false, Work::Nccl { comms: &[8] }));
+        let d = refused(c.admit(
+            false,
+            Work::Nccl {
+                comms: &[8],
+                abort: no_abort,
+            },
+        ));
         assert!(d.contains("Graph::capture_with"), "{d}");
-        assert!(refused(c.admit(false, Work::Nccl { comms: &[7, 8] })).contains("capture_with"));
+        assert!(
+            refused(c.admit(
+                false,
+                Work::Nccl {
+                    comms: &[7, 8],
+                    abort: no_abort
+                }
+            ))
+            .contains("capture_with")
+        );
         let d = refused(c.admit(true, Work::Cuda { keep: None }));
         assert!(d.contains("pinned host buffer"), "{d}");
         let d = refused(c.admit(
@@ -933,7 +966,16 @@ mod tests {
         ));
         assert!(d.starts_with("allocating a buffer cannot be captured"), "{d}");
         // Without a communicator, no NCCL at all.
-        assert!(refused(capture(None).admit(false, Work::Nccl { comms: &[7] })).contains("capture_with"));
+        assert!(
+            refused(capture(None).admit(
+                false,
+                Work::Nccl {
+                    comms: &[7],
+                    abort: no_abort
+                }
+            ))
+            .contains("capture_with")
+        );
         // A state no capture made admits nothing.
         let d = refused(CaptureState::default().admit(false, Work::Cuda { keep: None }));
         assert!(d.contains("another thread"), "{d}");

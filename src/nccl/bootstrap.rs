@@ -57,7 +57,7 @@
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use crate::cuda::device::Device;
+use crate::engine::device::Device;
 use crate::error::{Error, Result};
 use crate::nccl::{CommOptions, Communicator, UniqueId};
 

@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::cuda::buffer::DeviceBuffer;
-use crate::cuda::device::{Device, Origin, PooledEvent};
 use crate::cuda::stream::Stream;
 use crate::cuda::view::{View, ViewMut};
+use crate::engine::device::{Device, Origin, PooledEvent};
 use crate::engine::tracking::Access;
 use crate::engine::{self, Before, TrackedUse};
 use crate::error::{Error, Result};
@@ -525,7 +525,10 @@ impl Communicator {
         engine::check_devices(&uses)?;
         engine::enqueue(
             &uses,
-            engine::Work::Nccl { comms: &[self.key()] },
+            engine::Work::Nccl {
+                comms: &[self.key()],
+                abort: Communicator::abort_by_key,
+            },
             |_| {
                 let mut state = self.shared.lock();
                 let raw = usable(&state)?;

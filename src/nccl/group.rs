@@ -335,7 +335,13 @@ impl<'a> Group<'a> {
         for (c, s) in self.all() {
             match s.order().hold().as_ref() {
                 Some(capture) => {
-                    capture.admit(false, engine::Work::Nccl { comms: &[c.key()] })?;
+                    capture.admit(
+                        false,
+                        engine::Work::Nccl {
+                            comms: &[c.key()],
+                            abort: Communicator::abort_by_key,
+                        },
+                    )?;
                     captured_on.get_or_insert(s);
                 }
                 None => c.check_not_in_graph()?,
@@ -608,7 +614,10 @@ impl<'a> Group<'a> {
         let keys: SmallVec<[usize; 2]> = comms.iter().map(|c| c.key()).collect();
         let r = engine::enqueue(
             &uses,
-            engine::Work::Nccl { comms: &keys },
+            engine::Work::Nccl {
+                comms: &keys,
+                abort: Communicator::abort_by_key,
+            },
             |_| self.post(&comms),
             |stream, event, before| {
                 // The communicators whose events are recorded on this stream, and the peers

@@ -13,7 +13,11 @@ use std::time::Duration;
 
 use once_cell::sync::OnceCell;
 
-use crate::cuda::device::{Device, PooledEvent};
+use bytemuck::Pod;
+
+use crate::cuda::buffer::{Alloc, Allocator, DeviceBuffer};
+use crate::cuda::stream::Stream;
+use crate::engine::device::{Device, PooledEvent};
 use crate::error::Result;
 use crate::result::cudart as cu;
 use crate::result::nccl as nc;
@@ -127,6 +131,45 @@ impl Reaper {
     }
 }
 
+/// `ncclMemAlloc`'s memory, as a buffer frees it ([`DeviceBuffer::zeros_nccl`]).
+pub(crate) static NCCL_MEM: Allocator = Allocator {
+    name: "ncclMemAlloc",
+    nccl_memory: true,
+    alloc,
+    free_now,
+    free_after,
+};
+
+impl<T: Pod> DeviceBuffer<T> {
+    /// As [`DeviceBuffer::zeros`], with memory from `ncclMemAlloc`: CUDA virtual memory
+    /// (`cuMemCreate`) that NCCL can map into its peers' address spaces, which its registered
+    /// paths ([`Communicator::register`](crate::Communicator::register)) and symmetric windows
+    /// ([`Communicator::register_window`](crate::Communicator::register_window)) need. Tracked
+    /// like any buffer; dropped, it is freed (`ncclMemFree`) once its last use has completed,
+    /// without blocking. NCCL rounds the size up to the allocation granularity (2 MiB on an
+    /// H200): prefer few large buffers.
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::zeros`]; [`Error::Unsupported`](crate::Error::Unsupported) when the loaded NCCL lacks
+    /// `ncclMemAlloc`; NCCL errors.
+    pub fn zeros_nccl(len: usize, stream: &Stream) -> Result<Self> {
+        let mut buf = Self::alloc(stream, len, Alloc::Other(&NCCL_MEM))?;
+        buf.memset_zero(stream)?;
+        Ok(buf)
+    }
+
+    /// As [`DeviceBuffer::from_slice`], with memory from `ncclMemAlloc` (see
+    /// [`DeviceBuffer::zeros_nccl`]).
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::zeros_nccl`] and [`DeviceBuffer::from_slice`].
+    pub fn from_slice_nccl(data: &[T], stream: &Stream) -> Result<Self> {
+        let mut buf = Self::alloc(stream, data.len(), Alloc::Other(&NCCL_MEM))?;
+        buf.copy_from_slice(data, stream)?;
+        Ok(buf)
+    }
+}
+
 /// `bytes` (> 0) from `ncclMemAlloc` on `device`.
 pub(crate) fn alloc(device: &Device, bytes: usize) -> Result<*mut std::ffi::c_void> {
     device.set_current()?;
@@ -148,7 +191,7 @@ pub(crate) unsafe fn free_after(ptr: *mut std::ffi::c_void, pending: Vec<Arc<Poo
         }
         None => {
             // On an error the memory leaks instead.
-            if crate::cuda::device::wait_all(&pending).is_err() {
+            if crate::engine::device::wait_all(&pending).is_err() {
                 return;
             }
             // SAFETY: the caller's guarantees, and every pending use has completed.
@@ -165,7 +208,7 @@ pub(crate) unsafe fn free_after(ptr: *mut std::ffi::c_void, pending: Vec<Arc<Poo
 /// # Safety
 /// As [`free_after`].
 pub(crate) unsafe fn free_now(ptr: *mut std::ffi::c_void, pending: &[Arc<PooledEvent>]) -> Result<()> {
-    crate::cuda::device::wait_all(pending)?;
+    crate::engine::device::wait_all(pending)?;
     // SAFETY: the caller's guarantees, and every pending use has completed.
     unsafe { nc::mem_free(ptr) }
 }

@@ -27,6 +27,7 @@
 pub mod bootstrap;
 mod collective;
 mod communicator;
+mod graph;
 mod group;
 mod id;
 pub(crate) mod memory;

@@ -41,7 +41,7 @@ use std::time::Instant;
 
 use bytemuck::Pod;
 
-use crate::cuda::buffer::{Alloc, DeviceBuffer};
+use crate::cuda::buffer::DeviceBuffer;
 use crate::cuda::view::{View, ViewMut};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, usable};
@@ -370,7 +370,7 @@ impl Refusal {
 /// NCCL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct WindowSide {
-    pub(crate) alloc: Alloc,
+    pub(crate) nccl_memory: bool,
     pub(crate) ptr: usize,
     pub(crate) bytes: usize,
     pub(crate) already_window: bool,
@@ -387,7 +387,7 @@ impl WindowSide {
             Some(Refusal::Unsupported)
         } else if !self.same_device {
             Some(Refusal::OtherDevice)
-        } else if self.alloc != Alloc::Nccl {
+        } else if !self.nccl_memory {
             Some(Refusal::NotNcclMemory)
         } else if self.bytes == 0 {
             Some(Refusal::Empty)
@@ -557,11 +557,7 @@ impl Communicator {
         }
         let lib = nc::register_lib();
         let side = WindowSide {
-            alloc: if buf.is_nccl_alloc() {
-                Alloc::Nccl
-            } else {
-                Alloc::Pool
-            },
+            nccl_memory: buf.is_nccl_alloc(),
             ptr: buf.as_raw_ptr() as usize,
             bytes: buf.byte_len(),
             already_window: buf.registrations.window,
@@ -637,7 +633,7 @@ mod tests {
 
     fn side() -> WindowSide {
         WindowSide {
-            alloc: Alloc::Nccl,
+            nccl_memory: true,
             ptr: 0x7f00_0020_0000,
             bytes: 4096,
             already_window: false,
@@ -653,7 +649,7 @@ mod tests {
         let cases = [
             (
                 WindowSide {
-                    alloc: Alloc::Pool,
+                    nccl_memory: false,
                     ..side()
                 },
                 Refusal::NotNcclMemory,

@@ -61,7 +61,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use once_cell::sync::OnceCell;
 
-use crate::cuda::device::PooledEvent;
+use crate::engine::device::PooledEvent;
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Cut, Pending, Shared, State};
 use crate::result::nccl as nc;
@@ -413,7 +413,7 @@ fn peer_busy(state: &State, wall: u64, waited: Duration, timeout: Duration) -> b
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::device::Device;
+    use crate::engine::device::Device;
     use crate::nccl::verify::mailbox::Region;
     use std::cell::{Cell, RefCell};
 
