@@ -28,8 +28,8 @@ use bytemuck::Pod;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
 
 use crate::cuda::buffer::DeviceBuffer;
-use crate::cuda::stream::Stream;
 use crate::engine::device::Device;
+use crate::engine::stream::Stream;
 use crate::engine::tracking::Access;
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;

@@ -18,8 +18,8 @@ use once_cell::sync::OnceCell;
 
 use crate::cuda::buffer::DeviceBuffer;
 use crate::cuda::module::{Function, LaunchConfig, Module};
-use crate::cuda::stream::Stream;
 use crate::cuda::view::{View, ViewMut, check_len};
+use crate::engine::stream::Stream;
 use crate::error::{Error, Result};
 use crate::sys::ptx;
 
@@ -245,7 +245,7 @@ impl<T: Pod> ViewMut<'_, T> {
     /// returns at once. Elements of up to 16 bytes.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an element over 16 bytes, or `stream` on another device;
+    /// [`Error::InvalidArgument`] for an element over 16 bytes, or `stream` on another device;
     /// CUDA errors.
     pub fn fill(&mut self, value: T, stream: &Stream) -> Result<()> {
         fill(self.reborrow(), value, stream)

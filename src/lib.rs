@@ -76,10 +76,10 @@
 //!   whose misuse could break a guarantee below are `unsafe`.
 //! - The engine (private): the one path by which tracked work is queued, over the use-tracking
 //!   rules (a plain data structure).
-//! - The CUDA side: [`Device`], [`Stream`], [`Event`], [`DeviceBuffer`] and its [`view`]s,
-//!   [`module`] (users' own kernels, launched with tracking; [`Stream::raw_use`] for raw work),
+//! - The CUDA side: [`Device`], [`Stream`], [`Event`], [`DeviceBuffer`] and its [`view`](cuda::view)s,
+//!   [`module`](cuda::module) (users' own kernels, launched with tracking; [`Stream::raw_use`] for raw work),
 //!   [`kernels`]; the NCCL side, [`nccl`]: [`Communicator`], [`group`], collectives,
-//!   verification, the watchdog; [`bootstrap`].
+//!   verification, the watchdog; [`bootstrap`](nccl::bootstrap).
 //!
 //! # Threads
 //! [`Stream`], [`Event`], [`Device`] and [`DeviceBuffer`] are `Send` and `Sync`: the CUDA
@@ -120,10 +120,10 @@
 //!   copy into one, `write` for every copy; the borrow checker keeps new copies out while a
 //!   host reference lives. Dropping one never blocks: its memory goes to a per-device cache
 //!   with its pending copies' events, is handed to a new buffer only once they have completed,
-//!   and is freed only by [`host::release_cached`], which waits for them. Tests: `tests/gpu.rs`
+//!   and is freed only by [`host::release_cached`](cuda::host::release_cached), which waits for them. Tests: `tests/gpu.rs`
 //!   (a drop while a kernel reads, a host copy right after a write, a copy from pinned memory
 //!   while another thread captures the stream), `tests/host.rs`.
-//! - **Users' kernels and raw work.** A launch through [`module`] declares each buffer's access
+//! - **Users' kernels and raw work.** A launch through [`module`](cuda::module) declares each buffer's access
 //!   by the argument's type and is tracked like handoff's own kernels; what the kernel does
 //!   inside is the `unsafe` launch's contract. Raw work is declared with the `unsafe`
 //!   [`Stream::raw_use`]. Wrapping a cudarc stream is `unsafe` (`Stream::from_cudarc`):
@@ -214,7 +214,7 @@
 //! - **Bootstrap.** Rank 0's unique-id server, and a rank fetching the id, hold to their
 //!   timeout whatever the other end sends or withholds: one deadline for the exchange and one
 //!   per connection (hello, authentication and id together, however slowly the bytes come).
-//!   Connections are served concurrently (at most [`bootstrap::MAX_CONNECTIONS`]), so an idle,
+//!   Connections are served concurrently (at most [`bootstrap::MAX_CONNECTIONS`](nccl::bootstrap::MAX_CONNECTIONS)), so an idle,
 //!   trickling or garbled client delays no rank, and each rank is served once, by the rank
 //!   number it presents. With a shared secret on every rank (`HANDOFF_SECRET`, or
 //!   `HANDOFF_SECRET_FILE` naming an owner-only file), each side proves it holds the secret by
@@ -261,7 +261,7 @@
 //!   ranks.
 //! - A [`HostBuffer`] that finds no cached block of its size class calls `cudaMallocHost` (for
 //!   eight blocks at once up to 4 MiB), which CUDA lists as implicitly synchronising; the cache
-//!   holds pinned memory until [`host::release_cached`].
+//!   holds pinned memory until [`host::release_cached`](cuda::host::release_cached).
 //! - The verification channel's entries are not encrypted (an observer on the network reads
 //!   counts, types and order), and without a secret anyone who can read the creation-time
 //!   all-gather's traffic learns the channel tokens. A connection to a rank's channel listener
@@ -269,6 +269,12 @@
 //!   backlog): a flood of connections can delay setup, up to the timeout. While a rank
 //!   verifies with a remote peer, that peer's heartbeats may reach the watchdog up to about
 //!   40 ms late (its freshness bound is 1 s).
+//! - fp8 reductions (feature `float8`) are checked against this rank's GPU only: in a
+//!   communicator mixing GPUs of compute capability 9.0 and older, the older ranks refuse at
+//!   once and the newer ones meet verification's timeout or NCCL's invalid-argument error.
+//! - `ncclGroupSimulateEnd` is not exposed: in NCCL 2.28.3 it launches the group on
+//!   non-blocking communicators, and on blocking ones leaves the simulated operations queued
+//!   for the next group (`src/group.cc`), which a safe estimate cannot allow.
 //! - [`Communicator::register_window`] is `unsafe`: verification does not yet compare which
 //!   window and offset each rank passes to a collective (NCCL's symmetric and copy-engine paths
 //!   rely on it).

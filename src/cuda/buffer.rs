@@ -7,9 +7,9 @@ use std::marker::PhantomData;
 
 use bytemuck::Pod;
 
-use crate::cuda::stream::Stream;
 use crate::engine::Tracked;
 use crate::engine::device::Device;
+use crate::engine::stream::Stream;
 use crate::engine::tracking::Access;
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;

@@ -1,5 +1,5 @@
 //! [`Device`]'s public face: how many GPUs there are, opening one, its name, waiting for it. The
-//! type and the state its streams and buffers share are the engine's ([`crate::engine`]).
+//! type and the state its streams and buffers share are the engine's (`src/engine`).
 
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;

@@ -88,8 +88,8 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::cuda::stream::Stream;
 use crate::engine::device::{Device, Origin, PooledEvent};
+use crate::engine::stream::Stream;
 use crate::engine::tracking::{Access, StreamId};
 use crate::engine::{self, CaptureState, Captured, Keep, Replay, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};

@@ -52,10 +52,10 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use bytemuck::Pod;
 
 use crate::cuda::buffer::{DeviceBuffer, byte_len};
-use crate::cuda::stream::Stream;
 use crate::cuda::view::{CopyPath, View, ViewMut, check_len, tracked_copy};
 use crate::engine::device::check_poison;
 use crate::engine::device::{Device, PooledEvent, wait_all};
+use crate::engine::stream::Stream;
 use crate::engine::tracking::{Access, StreamId};
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};

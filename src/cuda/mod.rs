@@ -1,6 +1,6 @@
 //! The CUDA half: devices, streams and events, device buffers and their views, pinned host
 //! memory, modules and kernel launches, and graphs. Every operation that queues work goes through
-//! the engine ([`crate::engine`]), which tracks the buffers it uses.
+//! the engine (`src/engine`), which tracks the buffers it uses.
 
 pub mod buffer;
 pub mod device;

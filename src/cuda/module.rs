@@ -42,8 +42,8 @@ use std::sync::{Arc, Mutex};
 use bytemuck::Pod;
 
 use crate::cuda::buffer::DeviceBuffer;
-use crate::cuda::stream::Stream;
 use crate::cuda::view::{View, ViewMut};
+use crate::engine::stream::Stream;
 use crate::engine::tracking::Access;
 use crate::engine::{Few, Tracked};
 use crate::error::{Error, Result};

@@ -1,6 +1,6 @@
 //! [`Stream`]'s public face (making one, waiting, events, raw work declared with [`RawUse`]) and
 //! [`Event`]. The type itself, the per-stream state the engine keeps, is the engine's
-//! ([`crate::engine::stream`]).
+//! (`src/engine/stream.rs`).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -212,7 +212,7 @@ impl Stream {
     }
 
     /// Queues one operation on this stream that uses the given memory, through the crate's one
-    /// tracked path ([`crate::engine`]): waits for conflicting earlier uses, runs `op` (which
+    /// tracked path (`src/engine`): waits for conflicting earlier uses, runs `op` (which
     /// queues the work on the raw stream), records the uses.
     pub(crate) fn enqueue<R>(
         &self,

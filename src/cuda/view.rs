@@ -61,8 +61,8 @@ use std::sync::Arc;
 use bytemuck::Pod;
 
 use crate::cuda::buffer::DeviceBuffer;
-use crate::cuda::stream::Stream;
 use crate::engine::device::{Device, PooledEvent};
+use crate::engine::stream::Stream;
 use crate::engine::tracking::Access;
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};

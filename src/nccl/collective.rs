@@ -5,8 +5,8 @@
 //! count, type, root, reduction): verification checks it before NCCL is called, and each
 //! collective's size rule is checked locally first.
 
-use crate::cuda::stream::Stream;
 use crate::cuda::view::{View, ViewMut};
+use crate::engine::stream::Stream;
 use crate::engine::tracking::Access;
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, usable};

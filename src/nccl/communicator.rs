@@ -2,25 +2,23 @@
 //! settles verification), its bounded waits, and its end.
 
 use std::cell::Cell;
-use std::collections::VecDeque;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::cuda::buffer::DeviceBuffer;
-use crate::cuda::stream::Stream;
-use crate::cuda::view::{View, ViewMut};
 use crate::engine::device::{Device, Origin, PooledEvent};
+use crate::engine::stream::Stream;
 use crate::engine::tracking::Access;
 use crate::engine::{self, Before, TrackedUse};
 use crate::error::{Error, Result};
-use crate::nccl::group::group;
 use crate::nccl::id::UniqueId;
 use crate::nccl::options::CommOptions;
+use crate::nccl::state::{Cut, GraphAborter, OpOrigin, PeersOrigin, Raw, Shared, State, abort};
 use crate::nccl::types::NcclType;
 use crate::nccl::verify::Mailboxes;
-use crate::nccl::verify::mailbox::{BROKEN, Region};
+use crate::nccl::verify::mailbox::Region;
 use crate::nccl::verify::setup::settle;
 use crate::nccl::watchdog;
 use crate::result::nccl as nc;
@@ -52,7 +50,7 @@ use crate::sys::nccl::{ncclComm_t, ncclResult_t};
 /// # Threads
 /// `Send` but not `Sync`: NCCL calls on one communicator must not run concurrently. Ranks made
 /// together by [`Communicator::init_all`] are driven by one thread, and their operations with
-/// each other go in one [`group`]; for one thread per GPU, make each rank with
+/// each other go in one [`group`](crate::group); for one thread per GPU, make each rank with
 /// [`Communicator::new`] on its own thread.
 pub struct Communicator {
     pub(crate) shared: Arc<Shared>,
@@ -71,223 +69,6 @@ pub struct Communicator {
     last_origin: std::cell::RefCell<Option<PeersOrigin>>,
     /// NCCL calls on one communicator must not run concurrently: not `Sync`.
     _not_sync: PhantomData<Cell<()>>,
-}
-
-/// The peers an operation received from, and its tracking event's origin.
-type PeersOrigin = (Vec<usize>, Arc<dyn Origin>);
-
-/// What the communicator shares with the watchdog, behind one lock that every NCCL call on the
-/// communicator holds, so that the watchdog's abort never runs concurrently with one.
-pub(crate) struct Shared {
-    pub(crate) state: Mutex<State>,
-    pub(crate) rank: usize,
-    pub(crate) ordinal: i32,
-    /// Window registrations attempted on this rank, each exchanged with every rank
-    /// ([`crate::nccl::register`]): the next one's number.
-    pub(crate) windows: std::sync::atomic::AtomicU64,
-    /// Set when the watchdog's look at this communicator panicked: it can no longer be watched,
-    /// and the watchdog aborts it (with this reason) at its next chance.
-    pub(crate) unwatchable: std::sync::OnceLock<String>,
-}
-
-pub(crate) struct State {
-    /// Null once aborted or destroyed.
-    pub(crate) raw: ncclComm_t,
-    pub(crate) rank: usize,
-    /// Why the communicator is unusable, once it is.
-    pub(crate) broken: Option<String>,
-    /// Work queued and not yet seen complete, oldest first (in `seq` order): an event after each
-    /// group on each stream, and when it was queued. NCCL runs a communicator's operations in
-    /// order (see the watchdog), so an entry seen complete means every older one is.
-    pub(crate) pending: VecDeque<Pending>,
-    /// The `seq` of the next entry of `pending`.
-    pub(crate) next_seq: u64,
-    pub(crate) timeout: Duration,
-    /// Every rank's mailbox (verified communicators): this rank's is marked broken with the
-    /// communicator so that no peer waits for it, and carries the watchdog's heartbeat.
-    pub(crate) regions: Option<Arc<[Arc<Region>]>>,
-    /// For a communicator owned by a graph: the thread that will abort it (see
-    /// [`State::break_with`]).
-    graph_aborter: Option<GraphAborter>,
-}
-
-/// A thread, started when a communicator is given to a graph, that aborts it when handed its
-/// handle, and otherwise ends when the communicator is dropped. Started up front so that a
-/// thread that cannot be made is an error at capture, never an abort that does not happen.
-struct GraphAborter {
-    handle: Option<std::sync::mpsc::Sender<Raw>>,
-    thread: std::thread::JoinHandle<()>,
-}
-
-pub(crate) struct Pending {
-    /// Numbers the communicator's entries in the order they were queued, never reused: what the
-    /// watchdog names an entry by while it queries with the lock released.
-    pub(crate) seq: u64,
-    /// Recorded after the group on one of its streams.
-    pub(crate) event: Arc<PooledEvent>,
-    /// What the stream ran before the group: it cannot start before these complete.
-    pub(crate) after: Before,
-    /// When the watchdog first saw `after` complete: the group's deadline counts from here.
-    pub(crate) started: Option<Instant>,
-}
-
-/// Which queued work an abort cuts short.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Cut {
-    /// Work not complete yet (a missed deadline, an explicit abort).
-    Incomplete,
-    /// All work not yet seen complete: after an NCCL error, kernels may have ended early.
-    All,
-}
-
-// SAFETY: the NCCL handle is used only under the mutex; NCCL lets any thread use a communicator
-// as long as one at a time does.
-unsafe impl Send for State {}
-
-impl State {
-    /// The state of a live communicator `raw` of rank `rank`, with nothing queued.
-    pub(crate) fn new(raw: ncclComm_t, rank: usize, timeout: Duration) -> State {
-        State {
-            raw,
-            broken: None,
-            pending: VecDeque::new(),
-            next_seq: 0,
-            timeout,
-            regions: None,
-            graph_aborter: None,
-            rank,
-        }
-    }
-
-    /// Notes work queued after everything pending: `event` recorded after it, `after` what
-    /// its stream ran before.
-    pub(crate) fn push_pending(&mut self, event: Arc<PooledEvent>, after: Before) {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.pending.push_back(Pending {
-            seq,
-            event,
-            after,
-            started: None,
-        });
-    }
-
-    /// Marks the communicator unusable and aborts it (`ncclCommAbort`), as NCCL requires after
-    /// an error; tells the peers through the mailbox. The caller holds the lock, so no other
-    /// NCCL call on the communicator runs meanwhile.
-    pub(crate) fn break_with(&mut self, reason: String, ordinal: i32, cut: Cut) {
-        // Work still queued is cut short: host reads that wait for it report why.
-        for p in self.pending.drain(..) {
-            // SAFETY: the event is kept alive by the Arc.
-            if cut == Cut::All || unsafe { crate::result::cudart::event_query(p.event.raw) } != Ok(true) {
-                p.event.poison(&reason);
-            }
-        }
-        self.broken.get_or_insert(reason);
-        if let Some(mine) = self.mine() {
-            mine.set_broken();
-        }
-        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
-        if raw.is_null() {
-            return;
-        }
-        let mut raw = Raw(raw);
-        // NCCL's abort first tells the GPU work to stop, then waits until every graph that
-        // captured the communicator is destroyed before it frees anything (its
-        // `commDestroySync`). A graph's own communicator is aborted by its aborter thread, as
-        // the graph is alive (the caller may be inside its launch, or the watchdog holding
-        // this lock); that abort ends once the graph is dropped. Replays launched meanwhile
-        // stop at once, and NCCL's resources outlive them.
-        if let Some(to) = self.graph_aborter.as_ref().and_then(|g| g.handle.as_ref()) {
-            match to.send(raw) {
-                Ok(()) => return,
-                // The aborter is gone (it never ends before its handle is dropped, below):
-                // abort here after all.
-                Err(back) => raw = back.0,
-            }
-        }
-        abort(raw, ordinal);
-    }
-}
-
-/// `ncclCommAbort`, on `ordinal`'s device.
-fn abort(raw: Raw, ordinal: i32) {
-    // Best effort: NCCL sets the communicator's device itself, and the abort must happen
-    // whatever (it also ends a split still writing a child's handle).
-    let _ = crate::result::cudart::set_device(ordinal);
-    // SAFETY: `raw` was live and is not used again (the state's handle is now null).
-    let _ = unsafe { nc::comm_abort(raw.0) };
-}
-
-/// A communicator handle handed to the thread that aborts it.
-struct Raw(crate::sys::nccl::ncclComm_t);
-
-// SAFETY: NCCL lets any thread use a communicator as long as one at a time does; the handle is
-// taken out of the state (left null) before it is handed over, so no other thread uses it.
-unsafe impl Send for Raw {}
-
-impl State {
-    /// This rank's mailbox, if verified.
-    pub(crate) fn mine(&self) -> Option<&Region> {
-        Some(&self.regions.as_ref()?[self.rank])
-    }
-}
-
-impl Shared {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Marks the communicator unusable and aborts it (see [`State::break_with`]).
-    pub(crate) fn break_with(&self, reason: String, cut: Cut) {
-        self.lock().break_with(reason, self.ordinal, cut);
-    }
-}
-
-/// Where a group's tracking event on one stream came from: this communicator, receiving from
-/// `peers`. Asked at a host read whether that work may have been cut short.
-struct OpOrigin {
-    shared: std::sync::Weak<Shared>,
-    peers: Vec<usize>,
-}
-
-impl Origin for OpOrigin {
-    /// An NCCL error that the watchdog has not yet acted on may have ended the communicator's
-    /// kernels early, and a peer that broke (aborted, failed) before sending may have let a
-    /// receive complete without its data (seen on the H200: a receive whose sender aborted
-    /// completed at once, the buffer untouched). Either way: abort now, and say so. A
-    /// communicator broken before has already marked the work it cut short.
-    fn failure(&self) -> Option<String> {
-        let shared = self.shared.upgrade()?;
-        let mut state = shared.lock();
-        if state.broken.is_some() || state.raw.is_null() {
-            return None;
-        }
-        // SAFETY: `raw` is live (not broken, lock held).
-        let rc = unsafe { nc::comm_state(state.raw) };
-        let reason = match rc {
-            Ok(rc) if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress => {
-                let regions = state.regions.as_ref()?;
-                let peer = self
-                    .peers
-                    .iter()
-                    .find(|&&p| p != shared.rank && regions[p].status() == BROKEN)?;
-                format!(
-                    "rank {peer}, which a receive of rank {} was waiting for, broke its communicator \
-                     (an error, a timeout or an abort there): the received data may be incomplete",
-                    shared.rank
-                )
-            }
-            Ok(rc) => format!(
-                "rank {} hit an NCCL error: {}",
-                shared.rank,
-                nc::error("ncclCommGetAsyncError", rc)
-            ),
-            Err(e) => format!("rank {} hit an NCCL error: {e}", shared.rank),
-        };
-        state.break_with(reason.clone(), shared.ordinal, Cut::All);
-        Some(reason)
-    }
 }
 
 impl fmt::Debug for Communicator {
@@ -361,7 +142,7 @@ impl Communicator {
     ) -> Result<Communicator> {
         check_world_rank(world, rank)?;
         device.set_current()?;
-        crate::nccl::split::note_nccl_environment();
+        crate::nccl::options::note_nccl_environment();
         let started = Instant::now();
         let mut config = options.config();
         // SAFETY: the config comes from `config_initializer` with only `blocking` changed; no
@@ -385,7 +166,7 @@ impl Communicator {
     /// (what NCCL's `ncclCommInitAll` does), with default [`CommOptions`].
     ///
     /// The ranks are meant to be driven together by one thread: every send or receive between
-    /// two of them goes in one [`group`] with its counterpart (anything else is
+    /// two of them goes in one [`group`](crate::group) with its counterpart (anything else is
     /// [`Error::InvalidArgument`] at once, where NCCL would wait forever for the other half).
     ///
     /// # Errors
@@ -415,7 +196,7 @@ impl Communicator {
         for d in devices {
             d.set_current()?;
         }
-        crate::nccl::split::note_nccl_environment();
+        crate::nccl::options::note_nccl_environment();
         let id = UniqueId::new()?.raw();
         let started = Instant::now();
         let mut comms = Vec::with_capacity(world);
@@ -596,46 +377,6 @@ impl Communicator {
     /// Why the communicator is unusable, if it is.
     pub fn broken_reason(&self) -> Option<String> {
         self.shared.lock().broken.clone()
-    }
-
-    /// Sends `buf` (a buffer, or a [`View`] of part of one) to rank `peer`, on `stream`: after
-    /// every earlier write of the buffer, and before any later write of it (on any stream) may
-    /// start. Tracking is per buffer: the whole buffer counts as read.
-    ///
-    /// The peer posts a matching [`Communicator::recv`] of the same count and type, in the
-    /// same order; verification (on by default) waits, on the host and with the timeout, until
-    /// it has, and compares. A send to oneself needs its receive in the same [`group`].
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] (peer out of range, another device, a send to oneself or to a
-    /// rank of the same `init_all` outside a group with its counterpart) before anything else;
-    /// [`Error::Mismatch`] when the peer's receive differs, [`Error::Timeout`] when it does not
-    /// come, [`Error::PeerBroken`] when the peer's communicator broke, NCCL errors: after these
-    /// the communicator is aborted.
-    pub fn send<'b, T: NcclType>(
-        &self,
-        buf: impl Into<View<'b, T>>,
-        peer: usize,
-        stream: &Stream,
-    ) -> Result<()> {
-        let buf = buf.into();
-        group(|g| g.send(self, buf, peer, stream))
-    }
-
-    /// Receives into `buf` (a buffer, or a [`ViewMut`] of part of one) from rank `peer`, on
-    /// `stream`: after every earlier use of the buffer, and before any later use of it may
-    /// start. Tracking is per buffer: the whole buffer counts as written.
-    ///
-    /// # Errors
-    /// As [`Communicator::send`].
-    pub fn recv<'b, T: NcclType>(
-        &self,
-        buf: impl Into<ViewMut<'b, T>>,
-        peer: usize,
-        stream: &Stream,
-    ) -> Result<()> {
-        let buf = buf.into();
-        group(|g| g.recv(self, buf, peer, stream))
     }
 
     /// Blocks the host until every operation this communicator queued has completed on the GPU,

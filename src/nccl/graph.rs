@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use crate::cuda::graph::{Graph, GraphComm};
-use crate::cuda::stream::Stream;
 use crate::engine::Before;
 use crate::engine::device::{Origin, PooledEvent};
+use crate::engine::stream::Stream;
 use crate::error::Result;
 use crate::nccl::communicator::Communicator;
 

@@ -7,13 +7,15 @@ use std::time::Instant;
 
 use smallvec::{SmallVec, smallvec};
 
-use crate::cuda::stream::Stream;
 use crate::cuda::view::{View, ViewMut};
+use crate::engine::stream::Stream;
 use crate::engine::tracking::Access;
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
-use crate::nccl::communicator::{Communicator, Cut, State, usable};
-use crate::nccl::types::{self, NcclType, Use};
+use crate::nccl::communicator::{Communicator, usable};
+use crate::nccl::fp8::{self, Use};
+use crate::nccl::state::{Cut, State};
+use crate::nccl::types::NcclType;
 use crate::nccl::verify::model::{self, Call};
 use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, P2P, REGISTERED};
 use crate::nccl::verify::{self, CollOps, Failure, PairOps};
@@ -366,10 +368,10 @@ impl<'a> Group<'a> {
     /// anything is verified or posted: the communicators stay usable.
     fn check_types(&self) -> Result<()> {
         for o in &self.ops {
-            types::check_use(o.comm, o.dtype, Use::Move)?;
+            fp8::check_use(o.comm, o.dtype, Use::Move)?;
         }
         for c in &self.colls {
-            types::check_use(c.comm, c.dtype, Use::of(c.desc.kind, c.desc.redop))?;
+            fp8::check_use(c.comm, c.dtype, Use::of(c.desc.kind, c.desc.redop))?;
         }
         Ok(())
     }
@@ -798,5 +800,47 @@ impl<'a> Group<'a> {
             }
             None => Ok(()),
         }
+    }
+}
+/// Single sends and receives: each a group of one.
+impl Communicator {
+    /// Sends `buf` (a buffer, or a [`View`] of part of one) to rank `peer`, on `stream`: after
+    /// every earlier write of the buffer, and before any later write of it (on any stream) may
+    /// start. Tracking is per buffer: the whole buffer counts as read.
+    ///
+    /// The peer posts a matching [`Communicator::recv`] of the same count and type, in the
+    /// same order; verification (on by default) waits, on the host and with the timeout, until
+    /// it has, and compares. A send to oneself needs its receive in the same [`group`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] (peer out of range, another device, a send to oneself or to a
+    /// rank of the same `init_all` outside a group with its counterpart) before anything else;
+    /// [`Error::Mismatch`] when the peer's receive differs, [`Error::Timeout`] when it does not
+    /// come, [`Error::PeerBroken`] when the peer's communicator broke, NCCL errors: after these
+    /// the communicator is aborted.
+    pub fn send<'b, T: NcclType>(
+        &self,
+        buf: impl Into<View<'b, T>>,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let buf = buf.into();
+        group(|g| g.send(self, buf, peer, stream))
+    }
+
+    /// Receives into `buf` (a buffer, or a [`ViewMut`] of part of one) from rank `peer`, on
+    /// `stream`: after every earlier use of the buffer, and before any later use of it may
+    /// start. Tracking is per buffer: the whole buffer counts as written.
+    ///
+    /// # Errors
+    /// As [`Communicator::send`].
+    pub fn recv<'b, T: NcclType>(
+        &self,
+        buf: impl Into<ViewMut<'b, T>>,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let buf = buf.into();
+        group(|g| g.recv(self, buf, peer, stream))
     }
 }

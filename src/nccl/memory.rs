@@ -16,8 +16,8 @@ use once_cell::sync::OnceCell;
 use bytemuck::Pod;
 
 use crate::cuda::buffer::{Alloc, Allocator, DeviceBuffer};
-use crate::cuda::stream::Stream;
 use crate::engine::device::{Device, PooledEvent};
+use crate::engine::stream::Stream;
 use crate::error::Result;
 use crate::result::cudart as cu;
 use crate::result::nccl as nc;

@@ -27,6 +27,7 @@
 pub mod bootstrap;
 mod collective;
 mod communicator;
+mod fp8;
 mod graph;
 mod group;
 mod id;
@@ -34,6 +35,7 @@ pub(crate) mod memory;
 mod options;
 mod register;
 mod split;
+mod state;
 mod types;
 mod verify;
 mod watchdog;

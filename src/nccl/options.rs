@@ -165,6 +165,16 @@ impl CommOptions {
     }
 }
 
+pub(crate) const SPLIT_SHARE: &str = "NCCL_COMM_SPLIT_SHARE_RESOURCES";
+
+/// `NCCL_COMM_SPLIT_SHARE_RESOURCES` before handoff's first communicator of this process.
+pub(crate) static FIRST_SPLIT_SHARE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+
+/// Records what NCCL will read at the first communicator: called before each is made.
+pub(crate) fn note_nccl_environment() {
+    FIRST_SPLIT_SHARE.get_or_init(|| std::env::var(SPLIT_SHARE).ok());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,12 +2,14 @@
 //! for ranks on their own threads or processes, [`Communicator::split_all`] for the ranks one
 //! thread made together with [`Communicator::init_all`].
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::nccl::communicator::{Communicator, Cut, form_clique, usable};
+use crate::nccl::communicator::{Communicator, form_clique, usable};
 use crate::nccl::options::CommOptions;
+use crate::nccl::options::{FIRST_SPLIT_SHARE, SPLIT_SHARE};
+use crate::nccl::state::Cut;
 use crate::nccl::watchdog;
 use crate::result::nccl as nc;
 use crate::sys::nccl::ncclComm_t;
@@ -310,16 +312,6 @@ impl Communicator {
 fn refuse_shared_resources() -> Result<()> {
     shared_resources_refused(FIRST_SPLIT_SHARE.get().cloned().flatten())?;
     shared_resources_refused(std::env::var(SPLIT_SHARE).ok())
-}
-
-const SPLIT_SHARE: &str = "NCCL_COMM_SPLIT_SHARE_RESOURCES";
-
-/// `NCCL_COMM_SPLIT_SHARE_RESOURCES` before handoff's first communicator of this process.
-static FIRST_SPLIT_SHARE: OnceLock<Option<String>> = OnceLock::new();
-
-/// Records what NCCL will read at the first communicator: called before each is made.
-pub(crate) fn note_nccl_environment() {
-    FIRST_SPLIT_SHARE.get_or_init(|| std::env::var(SPLIT_SHARE).ok());
 }
 
 fn shared_resources_refused(value: Option<String>) -> Result<()> {

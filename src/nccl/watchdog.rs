@@ -57,13 +57,15 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+
+use crate::nccl::verify::mailbox::now_ms;
 
 use once_cell::sync::OnceCell;
 
 use crate::engine::device::PooledEvent;
 use crate::error::{Error, Result};
-use crate::nccl::communicator::{Cut, Pending, Shared, State};
+use crate::nccl::state::{Cut, Pending, Shared, State};
 use crate::result::nccl as nc;
 use crate::sys::nccl::{ncclComm_t, ncclResult_t};
 
@@ -198,13 +200,6 @@ fn abort_unwatchable(shared: &Shared) {
     {
         state.break_with(reason.clone(), shared.ordinal, Cut::All);
     }
-}
-
-/// Milliseconds of the wall clock: what heartbeats are stamped with.
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// What a look asks of CUDA and NCCL; the tests stand in for them.

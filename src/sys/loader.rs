@@ -30,10 +30,10 @@ use std::path::{Path, PathBuf};
 
 use once_cell::sync::OnceCell;
 
-use super::cudart::CudartLib;
-use super::nccl::NcclLib;
-use super::nccl::register::NcclRegisterLib;
 use crate::error::Error;
+use crate::sys::cudart::CudartLib;
+use crate::sys::nccl::NcclLib;
+use crate::sys::nccl::register::NcclRegisterLib;
 
 /// What the loader needs to know about one library.
 #[derive(Debug, Clone, Copy)]

@@ -4,10 +4,10 @@
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use super::wire::{self, Attempt, Timed};
-use super::{BootstrapOptions, deadline_after, resolve};
 use crate::error::{Error, Result};
 use crate::nccl::UniqueId;
+use crate::nccl::bootstrap::wire::{self, Attempt, Timed};
+use crate::nccl::bootstrap::{BootstrapOptions, deadline_after, resolve};
 
 /// Fetches the unique id for `rank` from rank 0's server at `addr`, retrying while nobody
 /// listens there yet or the server is busy, all within `options.timeout()`: however a server
@@ -55,9 +55,9 @@ pub fn fetch_unique_id(addr: &str, rank: usize, options: &BootstrapOptions) -> R
         match TcpStream::connect_timeout(&sock, left.min(Duration::from_secs(1))) {
             Ok(conn) => {
                 let _ = conn.set_nodelay(true);
-                let mut nonce = [0u8; super::secret::NONCE];
+                let mut nonce = [0u8; crate::nccl::bootstrap::secret::NONCE];
                 if secret.is_some() {
-                    super::secret::random(&mut nonce).map_err(|e| Error::Bootstrap {
+                    crate::nccl::bootstrap::secret::random(&mut nonce).map_err(|e| Error::Bootstrap {
                         addr: addr.to_string(),
                         detail: format!("cannot read /dev/urandom for a nonce: {e}"),
                     })?;

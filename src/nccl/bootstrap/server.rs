@@ -10,10 +10,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::wire::{self, Outcome, Ranks, Refusal, ServerSide, Timed};
-use super::{BootstrapOptions, Secret, deadline_after, resolve};
 use crate::error::{Error, Result};
 use crate::nccl::UniqueId;
+use crate::nccl::bootstrap::wire::{self, Outcome, Ranks, Refusal, ServerSide, Timed};
+use crate::nccl::bootstrap::{BootstrapOptions, Secret, deadline_after, resolve};
 
 /// Connections served at once; one more is answered "busy" and closed, and its client retries.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -92,7 +92,7 @@ pub fn serve_unique_id(
         detail,
     };
     if options.secret().is_some() {
-        super::secret::random(&mut [0u8; 1])
+        crate::nccl::bootstrap::secret::random(&mut [0u8; 1])
             .map_err(|e| fail(format!("cannot read /dev/urandom for nonces: {e}")))?;
     }
     let deadline = deadline_after(options.timeout());
@@ -229,7 +229,10 @@ impl Shared {
         };
         detail += &format!(" (missing: rank {}{more})", missing.join(", "));
         let s = &state.seen;
-        let (var, file) = (super::SECRET_VAR, super::SECRET_FILE_VAR);
+        let (var, file) = (
+            crate::nccl::bootstrap::SECRET_VAR,
+            crate::nccl::bootstrap::SECRET_FILE_VAR,
+        );
         let notes = [
             (
                 s.client_lacks_secret,
@@ -376,7 +379,7 @@ fn serve_connection(conn: &TcpStream, shared: &Shared, deadline: Instant) -> Out
         secret: shared.secret.as_ref(),
     };
     let outcome = wire::serve(&mut Timed { conn, deadline }, &side, shared, |n| {
-        super::secret::random(n)
+        crate::nccl::bootstrap::secret::random(n)
     });
     if let Outcome::Refused(_) = outcome {
         // Stop writing, then read what the peer still sends (briefly, boundedly), so that the

@@ -21,9 +21,9 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::Instant;
 
-use super::secret::{MAC, NONCE, SEALED, Secret, Transcript};
 use crate::error::Error;
 use crate::nccl::UniqueId;
+use crate::nccl::bootstrap::secret::{MAC, NONCE, SEALED, Secret, Transcript};
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u8 = 2;
@@ -196,13 +196,13 @@ impl Refusal {
             ),
             Refusal::ClientLacksSecret => format!(
                 "rank 0 requires the job's shared secret and this client holds none: set {} or {} on every rank",
-                super::SECRET_VAR,
-                super::SECRET_FILE_VAR
+                crate::nccl::bootstrap::SECRET_VAR,
+                crate::nccl::bootstrap::SECRET_FILE_VAR
             ),
             Refusal::ServerLacksSecret => format!(
                 "this client holds a shared secret and rank 0 none: set the same {} or {} on rank 0 too",
-                super::SECRET_VAR,
-                super::SECRET_FILE_VAR
+                crate::nccl::bootstrap::SECRET_VAR,
+                crate::nccl::bootstrap::SECRET_FILE_VAR
             ),
             Refusal::WrongProof => {
                 "the client's proof does not match rank 0's secret: the ranks hold different \
@@ -387,7 +387,10 @@ pub(super) fn fetch(
             detail,
         })
     };
-    let (set, file) = (super::SECRET_VAR, super::SECRET_FILE_VAR);
+    let (set, file) = (
+        crate::nccl::bootstrap::SECRET_VAR,
+        crate::nccl::bootstrap::SECRET_FILE_VAR,
+    );
     w.send(&hello(rank, secret.is_some(), &client_nonce))
         .map_err(|e| io_retry("sending the hello", &e))?;
     let mut head = [0u8; 9];

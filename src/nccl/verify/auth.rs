@@ -1,7 +1,7 @@
 //! The verification channel's handshake: two ranks prove to each other, with fresh nonces both
 //! ways, that they hold the job's shared secret (when one is set) and both channel tokens of
 //! their cards (which travel only through NCCL's all-gather, never on this connection), and
-//! derive the keys that authenticate every later frame (see [`super::channel`]).
+//! derive the keys that authenticate every later frame (see [`crate::nccl::verify::channel`]).
 //!
 //! Client `c` (the higher rank) to server `s`:
 //! 1. `c → s` hello: magic, ranks `c` and `s`, world, whether `c` has a secret, nonce `n_c`;

@@ -5,18 +5,18 @@
 //! the peer sends write; and it forwards, as a frame, every write to its own region that the
 //! peer reads (an entry it publishes, a checked counter, a collective, its status, its
 //! heartbeat). Frames are applied with the mailbox's own stores (the entry's words, then its
-//! tag with release), so [`super::verify`] reads mirrors exactly as it reads mapped files.
+//! tag with release), so [`crate::nccl::verify::verify`] reads mirrors exactly as it reads mapped files.
 //!
 //! A frame is five little-endian words (kind and four arguments). Frames travel in records:
 //! a word counting its frames (1 to [`MAX_FRAMES`]), the frames, and the first 16 bytes of an
-//! HMAC-SHA256, under the connection's key for that direction (see [`super::auth`]), of the
+//! HMAC-SHA256, under the connection's key for that direction (see [`crate::nccl::verify::auth`]), of the
 //! record's sequence number, count and frames: a record that is forged, replayed, reordered,
 //! cut, of a bad count or with a frame no handoff writes ends the connection, and the peer's
-//! mirror reads as broken ([`super::mailbox::BROKEN`]), as does one the peer closed. A frame
+//! mirror reads as broken ([`crate::nccl::verify::mailbox::BROKEN`]), as does one the peer closed. A frame
 //! only ever writes the mirror's block for this rank, its collective ring and its header, at
 //! indices the mailbox reduces into the region.
 //!
-//! Who reads: a thread waiting in [`super::verify`] for a remote peer reads that peer's
+//! Who reads: a thread waiting in [`crate::nccl::verify::verify`] for a remote peer reads that peer's
 //! socket itself ([`Channel::pump`], then [`Channel::wait`] once it has spun a while), so a
 //! frame reaches the mirror without a thread waking; the connection's receiver thread reads
 //! whenever no verification has read it for [`IDLE`] (the watchdog's heartbeats, a peer's
@@ -44,9 +44,9 @@ use std::time::{Duration, Instant};
 
 use hmac::Mac;
 
-use super::auth::{HmacSha256, Keys};
-use super::mailbox::Region;
-use super::wire::Dir;
+use crate::nccl::verify::auth::{HmacSha256, Keys};
+use crate::nccl::verify::mailbox::{Note, Region, Relay};
+use crate::nccl::verify::wire::Dir;
 
 const FRAME_WORDS: usize = 5;
 const FRAME_BYTES: usize = FRAME_WORDS * 8;
@@ -65,23 +65,6 @@ const K_COLL: u64 = 3;
 const K_COLL_CHECKED: u64 = 4;
 const K_BROKEN: u64 = 5;
 const K_HEARTBEAT: u64 = 6;
-
-/// A write to the owner's region that a peer reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Note {
-    /// Entry `index` with the peer in `dir`: [`super::wire::OpDesc::encode`]'s words.
-    Publish { dir: Dir, index: u64, words: [u64; 2] },
-    /// The owner checked `n` of the peer's operations in `dir`.
-    Checked { dir: Dir, n: u64 },
-    /// Collective `index`: [`super::wire::CollDesc::encode`]'s words.
-    Coll { index: u64, words: [u64; 3] },
-    /// The owner checked `n` of the peer's collectives.
-    CollChecked { n: u64 },
-    /// The owner's communicator broke.
-    Broken,
-    /// The owner's watchdog is alive; whether its oldest operation is held up by its own work.
-    Heartbeat { backlog: bool },
-}
 
 fn dir_code(d: Dir) -> u64 {
     match d {
@@ -154,7 +137,7 @@ impl Note {
     }
 }
 
-pub(super) use crate::nccl::watchdog::now_ms;
+pub(super) use crate::nccl::verify::mailbox::now_ms;
 
 /// The tag of record `seq`, whose count and frames are `body`.
 fn tag(key: &HmacSha256, seq: u64, body: &[u8]) -> [u8; 32] {
@@ -510,6 +493,25 @@ pub(crate) struct Connection {
     pub(crate) rank: usize,
     pub(crate) stream: TcpStream,
     pub(crate) keys: Keys,
+}
+
+impl Relay for Channel {
+    fn tell(&self, peer: usize, note: Note) {
+        Channel::tell(self, peer, note);
+    }
+
+    fn tell_all(&self, note: Note) {
+        Channel::tell_all(self, note);
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// The owner's connections to its remote peers, installed in its region, if it has any.
+pub(crate) fn of(region: &Region) -> Option<&Channel> {
+    region.relay()?.as_any().downcast_ref()
 }
 
 impl Channel {

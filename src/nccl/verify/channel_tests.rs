@@ -7,11 +7,11 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::auth::{self, Keys, Pair};
-use super::channel::{Channel, Connection, MAX_FRAMES, now_ms, record_for_test};
-use super::mailbox::{BROKEN, Region};
-use super::wire::{CollDesc, CollKind, Dir, NONE, OpDesc, P2P};
-use super::{CollOps, Failure, Mailboxes, PairOps, verify};
+use crate::nccl::verify::auth::{self, Keys, Pair};
+use crate::nccl::verify::channel::{Channel, Connection, MAX_FRAMES, now_ms, record_for_test};
+use crate::nccl::verify::mailbox::{BROKEN, Region};
+use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NONE, OpDesc, P2P};
+use crate::nccl::verify::{CollOps, Failure, Mailboxes, PairOps, verify};
 
 const T0: u128 = 0x1111_2222_3333_4444_5555_6666_7777_8888;
 const T1: u128 = 0x9999_aaaa_bbbb_cccc_dddd_eeee_ffff_0000;
@@ -467,7 +467,7 @@ fn checked_counters_a_verification_leaves_reach_the_peer_without_another() {
     // last checked counters held back. Rank 1 then verifies nothing more, yet rank 0's next
     // ring of sends, whose last needs the slot the last counter frees, must be published.
     let [a, b] = two(None, 5 * SECOND);
-    let n = super::mailbox::RING;
+    let n = crate::nccl::verify::mailbox::RING;
     let ring: Vec<u64> = (1..=n).collect();
     let sent = ring.clone();
     let tb = std::thread::spawn(move || (verify(&[ops(&b, &[], &ring, 5 * SECOND)], &[]), b));

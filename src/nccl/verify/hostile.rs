@@ -11,9 +11,11 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
-use super::mailbox::{MAX_CHECKED, RING, Region, STATUS_AT};
-use super::wire::{CARD_WORDS, Card, CollDesc, CollKind, Dir, NONE, OpDesc, P2P, PATH_BYTES, check_cards};
-use super::{CollOps, Failure, Mailboxes, PairOps, verify};
+use crate::nccl::verify::mailbox::{MAX_CHECKED, RING, Region, STATUS_AT};
+use crate::nccl::verify::wire::{
+    CARD_WORDS, Card, CollDesc, CollKind, Dir, NONE, OpDesc, P2P, PATH_BYTES, check_cards,
+};
+use crate::nccl::verify::{CollOps, Failure, Mailboxes, PairOps, verify};
 
 /// Runs `test` over `cases` values of `strategy`, panicking with proptest's minimal failing
 /// input; prints the number of cases run.

@@ -28,8 +28,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::channel::{Channel, Note};
-use super::wire::{CollDesc, Dir, OpDesc};
+use crate::nccl::verify::wire::{CollDesc, Dir, OpDesc};
 
 /// Entries per ring: how far a rank may publish ahead of its peer's checks.
 pub(crate) const RING: u64 = 64;
@@ -62,6 +61,41 @@ pub(crate) const BROKEN: u64 = 1;
 const OWNER_ONLY: u32 = 0o600;
 
 use crate::sys::posix::{ELOOP, O_NOCTTY, O_NOFOLLOW, O_NONBLOCK, geteuid};
+
+/// A write to the owner's region that a peer reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Note {
+    /// Entry `index` with the peer in `dir`: [`crate::nccl::verify::wire::OpDesc::encode`]'s words.
+    Publish { dir: Dir, index: u64, words: [u64; 2] },
+    /// The owner checked `n` of the peer's operations in `dir`.
+    Checked { dir: Dir, n: u64 },
+    /// Collective `index`: [`crate::nccl::verify::wire::CollDesc::encode`]'s words.
+    Coll { index: u64, words: [u64; 3] },
+    /// The owner checked `n` of the peer's collectives.
+    CollChecked { n: u64 },
+    /// The owner's communicator broke.
+    Broken,
+    /// The owner's watchdog is alive; whether its oldest operation is held up by its own work.
+    Heartbeat { backlog: bool },
+}
+
+/// Milliseconds of the wall clock: what heartbeats are stamped with.
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Where a region forwards its owner's writes for peers on other hosts: the verification
+/// channel ([`crate::nccl::verify::channel`]), which mirrors the region there.
+pub(crate) trait Relay: Send + Sync + 'static {
+    /// Forwards a write that `peer` reads.
+    fn tell(&self, peer: usize, note: Note);
+    /// Forwards a write that every remote peer reads.
+    fn tell_all(&self, note: Note);
+    /// The relay itself (the channel, for verification's batching).
+    fn as_any(&self) -> &dyn std::any::Any;
+}
 
 /// Why a mailbox file could not be made or was refused. Each says what was wrong and what to do.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -269,8 +303,8 @@ pub(crate) struct Region {
     len: usize,
     world: usize,
     /// The owner's: its connections to the peers on other hosts, which each write a peer reads
-    /// is forwarded to (see [`super::channel`]).
-    channel: std::sync::OnceLock<Channel>,
+    /// is forwarded to (see [`crate::nccl::verify::channel`]).
+    channel: std::sync::OnceLock<Box<dyn Relay>>,
     _memory: Memory,
 }
 
@@ -306,17 +340,17 @@ impl Region {
 
     /// From now on, each write of the owner's that a peer on `channel` reads is also sent to
     /// it. Set once, before the region is shared.
-    pub(crate) fn install_channel(&self, channel: Channel) {
+    pub(crate) fn install_channel(&self, channel: impl Relay) {
         assert!(self.writable(), "a peer's mailbox is never written");
         assert!(
-            self.channel.set(channel).is_ok(),
+            self.channel.set(Box::new(channel)).is_ok(),
             "a region's channel is installed once"
         );
     }
 
-    /// The owner's connections to its remote peers, if it has any.
-    pub(crate) fn channel(&self) -> Option<&Channel> {
-        self.channel.get()
+    /// Where the owner's writes are forwarded, if anywhere.
+    pub(crate) fn relay(&self) -> Option<&dyn Relay> {
+        self.channel.get().map(|r| &**r)
     }
 
     fn tell(&self, peer: usize, note: Note) {
@@ -709,7 +743,7 @@ mod tests {
 
     fn op(count: u64) -> OpDesc {
         OpDesc {
-            part: super::super::wire::P2P,
+            part: crate::nccl::verify::wire::P2P,
             count,
             dtype: 7,
             captured: false,
@@ -747,7 +781,7 @@ mod tests {
 
     #[test]
     fn collective_entries_round_trip_and_wrap() {
-        use super::super::wire::{CollKind, NONE};
+        use crate::nccl::verify::wire::{CollKind, NONE};
         let r = Region::in_process(3, 0);
         let d = CollDesc {
             kind: CollKind::AllGather,

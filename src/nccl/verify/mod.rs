@@ -198,13 +198,13 @@ impl<'a> Links<'a> {
             }
         };
         for p in pairs.iter().filter(|p| !p.local) {
-            match p.boxes.mine().channel().filter(|c| c.reaches(p.peer)) {
+            match channel::of(p.boxes.mine()).filter(|c| c.reaches(p.peer)) {
                 Some(c) => add(c, p.peer),
                 None => all_remote = false,
             }
         }
         for c in colls.iter().filter(|c| !c.local) {
-            match c.boxes.mine().channel() {
+            match channel::of(c.boxes.mine()) {
                 Some(ch) => {
                     all_remote &= ch.remote_count() + 1 == c.boxes.regions.len();
                     ch.remote().for_each(|r| add(ch, r));

@@ -34,7 +34,7 @@
 //! made only by the `unsafe` [`crate::Communicator::register_window`], whose contract covers
 //! how every rank passes them; this model is that of every other collective.
 
-use super::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, REGISTERED};
+use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, REGISTERED};
 
 /// One call of a group, as [`expand`] reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

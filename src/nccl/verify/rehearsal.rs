@@ -6,9 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::mailbox::Region;
-use super::wire::{CollDesc, CollKind, NONE, OpDesc, P2P};
-use super::{CollOps, Mailboxes, PairOps, setup, verify};
+use crate::nccl::verify::mailbox::Region;
+use crate::nccl::verify::wire::{CollDesc, CollKind, NONE, OpDesc, P2P};
+use crate::nccl::verify::{CollOps, Mailboxes, PairOps, setup, verify};
 
 /// `ncclFloat32`.
 const F32: u32 = 7;
@@ -46,7 +46,7 @@ impl Rank {
         gather: &mut Gather<'_>,
     ) -> Result<Rank, String> {
         let mut g = |w: &[u64]| gather(w).map_err(|detail| crate::Error::Setup { detail });
-        let token = u64::from_le_bytes(super::auth::random::<8>()?);
+        let token = u64::from_le_bytes(crate::nccl::verify::auth::random::<8>()?);
         let s = setup::settle(rank, world, true, token, timeout, None, &mut g)
             .map_err(|e| e.to_string())?
             .expect("verified");

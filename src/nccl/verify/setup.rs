@@ -3,7 +3,7 @@
 //! mount namespace it runs in and where its channel listens; then each pair of ranks shares
 //! mailbox files if both can map the other's (same boot, same mount namespace, and the file
 //! there carrying the token of the card), and otherwise connects through the verification
-//! channel ([`super::channel`]). A communicator may mix both. Any failure is an error on every
+//! channel ([`crate::nccl::verify::channel`]). A communicator may mix both. Any failure is an error on every
 //! rank, so no rank verifies alone.
 //!
 //! # Variables
@@ -14,7 +14,7 @@
 //! - `HANDOFF_VERIFY_CHANNEL=tcp`: every pair uses the channel, even on one host (tests and
 //!   benchmarks); `auto` (the default) shares mailbox files where it can.
 //! - `HANDOFF_SECRET` or `HANDOFF_SECRET_FILE`: the job's shared secret, which every channel
-//!   connection then proves (see [`super::auth`]); without it, a connection proves only the
+//!   connection then proves (see [`crate::nccl::verify::auth`]); without it, a connection proves only the
 //!   random channel tokens of the two cards.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
@@ -23,11 +23,11 @@ use std::path::PathBuf;
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use super::auth::{self, Pair};
-use super::channel::{Channel, Connection};
-use super::mailbox::{Region, mailbox_dir};
-use super::wire::{CARD_WORDS, Card, HostId, check_cards};
 use crate::error::{Error, Result};
+use crate::nccl::verify::auth::{self, Pair};
+use crate::nccl::verify::channel::{Channel, Connection};
+use crate::nccl::verify::mailbox::{Region, mailbox_dir};
+use crate::nccl::verify::wire::{CARD_WORDS, Card, HostId, check_cards};
 
 /// What verification's setup made.
 pub(crate) struct Settled {
@@ -241,8 +241,8 @@ pub(crate) fn settle_in(
             .and_then(|m| m.listener.as_ref())
             .and_then(|l| l.local_addr().ok()),
         channel_token: mine.as_ref().map_or(0, |m| m.token),
-        tuning: super::wire::tuning_digest(|k| match k {
-            super::wire::CTA_POLICY_OPTION => cta_policy.map(|c| c.to_string()),
+        tuning: crate::nccl::verify::wire::tuning_digest(|k| match k {
+            crate::nccl::verify::wire::CTA_POLICY_OPTION => cta_policy.map(|c| c.to_string()),
             _ => std::env::var_os(k).map(|v| v.to_string_lossy().into_owned()),
         }),
     };

@@ -6,7 +6,7 @@ use crate::nccl::types::datatype_name;
 
 /// One send or receive as its peer must see it: NCCL matches the sends and receives between two
 /// ranks in the order they were issued, and each pair must agree on element count and type
-/// (see [`super::model`] for what counts as a send or a receive).
+/// (see [`crate::nccl::verify::model`] for what counts as a send or a receive).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct OpDesc {
     /// Elements.
@@ -297,7 +297,7 @@ pub(crate) fn compare_coll(
 }
 
 // "HDOFFCD4": cards name the rank's host and its verification channel (see
-// [`super::channel`]), so ranks of another version must not be paired with these.
+// [`crate::nccl::verify::channel`]), so ranks of another version must not be paired with these.
 const CARD_MAGIC: u64 = 0x4844_4f46_4643_4437; // "HDOFFCD7"
 /// Words in an encoded card.
 pub(crate) const CARD_WORDS: usize = 40;
@@ -309,7 +309,7 @@ pub(crate) const PATH_BYTES: usize = PATH_WORDS * 8;
 const HOST_AT: usize = PATH_AT + PATH_WORDS;
 
 /// Which kernel and mount namespace a rank runs in: two ranks may share a mailbox file only if
-/// these are equal (and the file proves it, see [`super::setup`]). Zero where unknown.
+/// these are equal (and the file proves it, see [`crate::nccl::verify::setup`]). Zero where unknown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct HostId {
     /// `/proc/sys/kernel/random/boot_id`: one per boot of one kernel.
@@ -326,8 +326,8 @@ impl HostId {
 }
 
 /// What each rank tells every other when a communicator is created: whether it verifies, and
-/// where its mailbox is (see [`super::mailbox`]) and its verification channel listens (see
-/// [`super::channel`]).
+/// where its mailbox is (see [`crate::nccl::verify::mailbox`]) and its verification channel listens (see
+/// [`crate::nccl::verify::channel`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct Card {
     pub(crate) verified: bool,

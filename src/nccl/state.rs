@@ -1,0 +1,230 @@
+//! A communicator's state as its users and its watchdog share it ([`Shared`]): the live handle,
+//! why it broke, the queue of operations not known complete, behind the one lock every NCCL call
+//! on the communicator holds.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::engine::Before;
+use crate::engine::device::{Origin, PooledEvent};
+use crate::nccl::verify::mailbox::{BROKEN, Region};
+use crate::result::nccl as nc;
+use crate::sys::nccl::{ncclComm_t, ncclResult_t};
+
+/// The peers an operation received from, and its tracking event's origin.
+pub(crate) type PeersOrigin = (Vec<usize>, Arc<dyn Origin>);
+
+/// What the communicator shares with the watchdog, behind one lock that every NCCL call on the
+/// communicator holds, so that the watchdog's abort never runs concurrently with one.
+pub(crate) struct Shared {
+    pub(crate) state: Mutex<State>,
+    pub(crate) rank: usize,
+    pub(crate) ordinal: i32,
+    /// Window registrations attempted on this rank, each exchanged with every rank
+    /// ([`crate::nccl::register`]): the next one's number.
+    pub(crate) windows: std::sync::atomic::AtomicU64,
+    /// Set when the watchdog's look at this communicator panicked: it can no longer be watched,
+    /// and the watchdog aborts it (with this reason) at its next chance.
+    pub(crate) unwatchable: std::sync::OnceLock<String>,
+}
+
+pub(crate) struct State {
+    /// Null once aborted or destroyed.
+    pub(crate) raw: ncclComm_t,
+    pub(crate) rank: usize,
+    /// Why the communicator is unusable, once it is.
+    pub(crate) broken: Option<String>,
+    /// Work queued and not yet seen complete, oldest first (in `seq` order): an event after each
+    /// group on each stream, and when it was queued. NCCL runs a communicator's operations in
+    /// order (see the watchdog), so an entry seen complete means every older one is.
+    pub(crate) pending: VecDeque<Pending>,
+    /// The `seq` of the next entry of `pending`.
+    pub(crate) next_seq: u64,
+    pub(crate) timeout: Duration,
+    /// Every rank's mailbox (verified communicators): this rank's is marked broken with the
+    /// communicator so that no peer waits for it, and carries the watchdog's heartbeat.
+    pub(crate) regions: Option<Arc<[Arc<Region>]>>,
+    /// For a communicator owned by a graph: the thread that will abort it (see
+    /// [`State::break_with`]).
+    pub(crate) graph_aborter: Option<GraphAborter>,
+}
+
+/// A thread, started when a communicator is given to a graph, that aborts it when handed its
+/// handle, and otherwise ends when the communicator is dropped. Started up front so that a
+/// thread that cannot be made is an error at capture, never an abort that does not happen.
+pub(crate) struct GraphAborter {
+    pub(crate) handle: Option<std::sync::mpsc::Sender<Raw>>,
+    pub(crate) thread: std::thread::JoinHandle<()>,
+}
+
+pub(crate) struct Pending {
+    /// Numbers the communicator's entries in the order they were queued, never reused: what the
+    /// watchdog names an entry by while it queries with the lock released.
+    pub(crate) seq: u64,
+    /// Recorded after the group on one of its streams.
+    pub(crate) event: Arc<PooledEvent>,
+    /// What the stream ran before the group: it cannot start before these complete.
+    pub(crate) after: Before,
+    /// When the watchdog first saw `after` complete: the group's deadline counts from here.
+    pub(crate) started: Option<Instant>,
+}
+
+/// Which queued work an abort cuts short.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cut {
+    /// Work not complete yet (a missed deadline, an explicit abort).
+    Incomplete,
+    /// All work not yet seen complete: after an NCCL error, kernels may have ended early.
+    All,
+}
+
+// SAFETY: the NCCL handle is used only under the mutex; NCCL lets any thread use a communicator
+// as long as one at a time does.
+unsafe impl Send for State {}
+
+impl State {
+    /// The state of a live communicator `raw` of rank `rank`, with nothing queued.
+    pub(crate) fn new(raw: ncclComm_t, rank: usize, timeout: Duration) -> State {
+        State {
+            raw,
+            broken: None,
+            pending: VecDeque::new(),
+            next_seq: 0,
+            timeout,
+            regions: None,
+            graph_aborter: None,
+            rank,
+        }
+    }
+
+    /// Notes work queued after everything pending: `event` recorded after it, `after` what
+    /// its stream ran before.
+    pub(crate) fn push_pending(&mut self, event: Arc<PooledEvent>, after: Before) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.pending.push_back(Pending {
+            seq,
+            event,
+            after,
+            started: None,
+        });
+    }
+
+    /// Marks the communicator unusable and aborts it (`ncclCommAbort`), as NCCL requires after
+    /// an error; tells the peers through the mailbox. The caller holds the lock, so no other
+    /// NCCL call on the communicator runs meanwhile.
+    pub(crate) fn break_with(&mut self, reason: String, ordinal: i32, cut: Cut) {
+        // Work still queued is cut short: host reads that wait for it report why.
+        for p in self.pending.drain(..) {
+            // SAFETY: the event is kept alive by the Arc.
+            if cut == Cut::All || unsafe { crate::result::cudart::event_query(p.event.raw) } != Ok(true) {
+                p.event.poison(&reason);
+            }
+        }
+        self.broken.get_or_insert(reason);
+        if let Some(mine) = self.mine() {
+            mine.set_broken();
+        }
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        if raw.is_null() {
+            return;
+        }
+        let mut raw = Raw(raw);
+        // NCCL's abort first tells the GPU work to stop, then waits until every graph that
+        // captured the communicator is destroyed before it frees anything (its
+        // `commDestroySync`). A graph's own communicator is aborted by its aborter thread, as
+        // the graph is alive (the caller may be inside its launch, or the watchdog holding
+        // this lock); that abort ends once the graph is dropped. Replays launched meanwhile
+        // stop at once, and NCCL's resources outlive them.
+        if let Some(to) = self.graph_aborter.as_ref().and_then(|g| g.handle.as_ref()) {
+            match to.send(raw) {
+                Ok(()) => return,
+                // The aborter is gone (it never ends before its handle is dropped, below):
+                // abort here after all.
+                Err(back) => raw = back.0,
+            }
+        }
+        abort(raw, ordinal);
+    }
+}
+
+/// `ncclCommAbort`, on `ordinal`'s device.
+pub(crate) fn abort(raw: Raw, ordinal: i32) {
+    // Best effort: NCCL sets the communicator's device itself, and the abort must happen
+    // whatever (it also ends a split still writing a child's handle).
+    let _ = crate::result::cudart::set_device(ordinal);
+    // SAFETY: `raw` was live and is not used again (the state's handle is now null).
+    let _ = unsafe { nc::comm_abort(raw.0) };
+}
+
+/// A communicator handle handed to the thread that aborts it.
+pub(crate) struct Raw(crate::sys::nccl::ncclComm_t);
+
+// SAFETY: NCCL lets any thread use a communicator as long as one at a time does; the handle is
+// taken out of the state (left null) before it is handed over, so no other thread uses it.
+unsafe impl Send for Raw {}
+
+impl State {
+    /// This rank's mailbox, if verified.
+    pub(crate) fn mine(&self) -> Option<&Region> {
+        Some(&self.regions.as_ref()?[self.rank])
+    }
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks the communicator unusable and aborts it (see [`State::break_with`]).
+    pub(crate) fn break_with(&self, reason: String, cut: Cut) {
+        self.lock().break_with(reason, self.ordinal, cut);
+    }
+}
+
+/// Where a group's tracking event on one stream came from: this communicator, receiving from
+/// `peers`. Asked at a host read whether that work may have been cut short.
+pub(crate) struct OpOrigin {
+    pub(crate) shared: std::sync::Weak<Shared>,
+    pub(crate) peers: Vec<usize>,
+}
+
+impl Origin for OpOrigin {
+    /// An NCCL error that the watchdog has not yet acted on may have ended the communicator's
+    /// kernels early, and a peer that broke (aborted, failed) before sending may have let a
+    /// receive complete without its data (seen on the H200: a receive whose sender aborted
+    /// completed at once, the buffer untouched). Either way: abort now, and say so. A
+    /// communicator broken before has already marked the work it cut short.
+    fn failure(&self) -> Option<String> {
+        let shared = self.shared.upgrade()?;
+        let mut state = shared.lock();
+        if state.broken.is_some() || state.raw.is_null() {
+            return None;
+        }
+        // SAFETY: `raw` is live (not broken, lock held).
+        let rc = unsafe { nc::comm_state(state.raw) };
+        let reason = match rc {
+            Ok(rc) if rc == ncclResult_t::ncclSuccess || rc == ncclResult_t::ncclInProgress => {
+                let regions = state.regions.as_ref()?;
+                let peer = self
+                    .peers
+                    .iter()
+                    .find(|&&p| p != shared.rank && regions[p].status() == BROKEN)?;
+                format!(
+                    "rank {peer}, which a receive of rank {} was waiting for, broke its communicator \
+                     (an error, a timeout or an abort there): the received data may be incomplete",
+                    shared.rank
+                )
+            }
+            Ok(rc) => format!(
+                "rank {} hit an NCCL error: {}",
+                shared.rank,
+                nc::error("ncclCommGetAsyncError", rc)
+            ),
+            Err(e) => format!("rank {} hit an NCCL error: {e}", shared.rank),
+        };
+        state.break_with(reason.clone(), shared.ordinal, Cut::All);
+        Some(reason)
+    }
+}
