@@ -89,6 +89,17 @@ if ! skip bench && [ -x .device/benches/collectives ]; then
       ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench collectives --mode $m")
   done
+  # The same over NCCL's kinds of memory (HANDOFF_BENCH_MEMORY, default all three), one rank,
+  # with NCCL's registration log kept beside it (which paths NCCL reports taking).
+  for mem in ${HANDOFF_BENCH_MEMORY-nccl registered window}; do
+    say "== bench collectives --mode self --memory $mem (NCCL_DEBUG=INFO REG: coll-self-$mem-nccl.log)"
+    # shellcheck disable=SC2086
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG .device/benches/collectives --mode self --memory "$mem" \
+      --csv "$bench/coll-self" --svg "$bench/coll-self" ${HANDOFF_BENCH_ARGS:-} >"$bench/coll-self-$mem-nccl.log" 2>&1
+    [ $? = 0 ] || failed+=("bench collectives --memory $mem")
+    grep -v 'NCCL INFO' "$bench/coll-self-$mem-nccl.log" | tee -a "$log"
+    grep -E 'NCCL INFO.*([Rr]egist|[Ww]indow|symmetric|CE )' "$bench/coll-self-$mem-nccl.log" | sort | uniq -c | sort -rn | head -12 | tee -a "$log"
+  done
 fi
 # The graphs benchmark (the article's round: handoff eager and graph, raw eager and graph): one
 # GPU always, two processes when there are two GPUs.
