@@ -42,9 +42,8 @@ pub(crate) struct DeviceInner {
     /// creates an event nor allocates.
     events: Mutex<VecDeque<Arc<PooledEvent>>>,
     /// Streams whose `Stream` was dropped, reused by `Stream::new`. Dropping a `Stream` parks
-    /// its handle here instead of calling `cudaStreamDestroy`, which was seen to block until
-    /// the stream's queued work finished (CUDA 13.0, driver 580) although its documentation
-    /// says it returns at once.
+    /// its handle here instead of calling `cudaStreamDestroy`, which blocks until the stream's
+    /// queued work has finished (CUDA 13.0, driver 580), whatever its documentation says.
     streams: Mutex<Vec<cudaStream_t>>,
 }
 
