@@ -113,6 +113,17 @@ if ! skip bench && [ -x .device/benches/graphs ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench graphs --mode $m")
   done
 fi
+# Host time per tracked operation beside the raw calls: with the real libraries, and with the
+# CPU tests' stub libraries (handoff's own work on this host's CPU).
+if ! skip bench && [ -x .device/benches/hostpath ]; then
+  say "== bench hostpath (real CUDA and NCCL)"
+  .device/benches/hostpath 2>&1 | tee -a "$log"
+  [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench hostpath")
+  say "== bench hostpath (stub libraries: handoff's own CPU work)"
+  HANDOFF_CUDART_PATH=.device/stubs/libcudart.so.13 HANDOFF_NCCL_PATH=.device/stubs/libnccl.so.2 \
+    .device/benches/hostpath 2>&1 | tee -a "$log"
+  [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench hostpath on stubs")
+fi
 # The verification channel's round trip on this host's CPUs (no GPU), beside shared files.
 if ! skip bench && [ -x .device/benches/verify_channel ]; then
   say "== bench verify_channel"

@@ -14,7 +14,7 @@ bash scripts/setup.sh
 
 stage=.device
 rm -rf "$stage"
-mkdir -p "$stage/tests" "$stage/examples" "$stage/bypass" "$stage/benches"
+mkdir -p "$stage/tests" "$stage/examples" "$stage/bypass" "$stage/benches" "$stage/stubs"
 
 # Lines like "  Executable tests/gpu.rs (target/device/deps/gpu-0123abcd)".
 executables() { sed -n 's/^ *Executable \(.*\) (\(.*\))$/\1|\2/p'; }
@@ -41,6 +41,12 @@ find target/device/examples -maxdepth 1 -type f -executable ! -name '*-*' -exec 
 # Benchmarks: optimised (cargo's bench profile).
 cargo bench --no-run 2>&1 | tee /dev/stderr | executables | while IFS='|' read -r src exe; do
   case "$src" in benches/*) cp "$exe" "$stage/benches/$(basename "${src%.rs}")" ;; esac
+done
+
+# The stub CUDA and NCCL libraries of the CPU tests, for benches/hostpath on the device's CPU:
+# handoff's own host work there, without the GPU's calls.
+for lib in cudart:libcudart.so.13 nccl:libnccl.so.2; do
+  ${CC:-cc} -O2 -shared -fPIC -pthread -I tests/stubs -o "$stage/stubs/${lib#*:}" "tests/stubs/${lib%%:*}.c" -ldl
 done
 
 RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-dir target/bypass --test gpu --test comm --test collectives --test graphs --test reliability --test threads --test user --test host --test cudarc --test registered --features cudarc
