@@ -133,8 +133,8 @@
 //!   after it; a raw `ncclGroupStart` left open would make them complete before the transfer,
 //!   which is why [`result::nccl::group_start`] is `unsafe`. Tests: compile-fail doc tests on the
 //!   raw calls.
-//! - **Across ranks.** NCCL leaves a send and a receive that disagree undefined (measured: wrong
-//!   data, a hang, a write past a shorter receive). By default ([`CommOptions::default`], every
+//! - **Across ranks.** NCCL leaves a send and a receive that disagree undefined (on two H200s:
+//!   wrong data, a hang, a write past a shorter receive). By default ([`CommOptions::default`], every
 //!   profile) each rank publishes every send and receive it is about to post in shared memory
 //!   and checks its peer's counterpart (count and type, in the order issued) before calling
 //!   NCCL; a disagreement is [`Error::Mismatch`] on both ranks with nothing transferred. What is
@@ -283,7 +283,9 @@
 //!   [`Communicator::new`]), other `NCCL_*` variables are trusted to be the same.
 //! - A report of cut-short data reaches the first host read of the received buffer (or of a
 //!   pinned host buffer copied from it); a kernel or a device copy that read it on the GPU before
-//!   that passed on partial data (valid values, wrong ones) without its output being flagged.
+//!   that passed on partial data (valid values, wrong ones) without its output being flagged,
+//!   and a later write of any part of the buffer (a kernel on a slice of it, or on the other
+//!   half of a split) becomes the write a host read checks: the report is then lost.
 //! - Verification compares what NCCL pairs (each pair's per-peer sends and receives, in order,
 //!   and each communicator's collectives), not how they are split into groups: a rank that
 //!   groups a send and a receive with one peer while the peer posts them in separate groups,

@@ -309,9 +309,10 @@ impl<T: Pod> HostBuffer<T> {
         ];
         engine::check_devices(&uses)?;
         check_len(self.len, src.len(), "the device view")?;
-        // The write the copy will read after. No other can be queued before the copy: a write
-        // needs the buffer borrowed exclusively, and `src` borrows it shared. Set before the
-        // copy is queued, so that whatever part of it reaches the stream is covered.
+        // The write the copy will read after, whose report of cut-short data a host read gives
+        // (through another view of the same buffer, a write may still be queued before the copy:
+        // then that one; see the crate's known limits). Set before the copy is queued, so that
+        // whatever part of it reaches the stream is covered.
         let before = std::mem::replace(&mut self.filled_from, src.tracked().lock().last_write().cloned());
         // SAFETY: `src` holds `len` elements of device memory and this buffer as many of pinned
         // host memory (checked), both borrowed for the call, all on `stream`'s device

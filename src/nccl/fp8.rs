@@ -1,5 +1,8 @@
-//! What NCCL 2.28.3 accepts of its fp8 types, checked before anything reaches it: the version
-//! that has them, the GPUs that reduce them, the one-rank reductions it has no kernel for.
+//! What NCCL accepts of its fp8 types, checked before anything reaches it: the version that has
+//! them (2.24.3), the GPUs that reduce them (sm_90 and newer; before 2.28.3 also for the
+//! collectives that only move them, `taskAppend` in `src/enqueue.cc`), the one-rank reductions
+//! 2.28 has no kernel for. Empty collectives are dropped by NCCL before its type check, so only
+//! the version is asked of them.
 
 use crate::error::{Error, Result};
 use crate::nccl::communicator::Communicator;
@@ -16,9 +19,13 @@ fn is_fp8(d: ncclDataType_t) -> bool {
 /// How an operation uses its elements, which decides what NCCL needs for them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Use {
-    /// Moved without arithmetic: sends, receives, broadcast, all-gather, all-to-all, gather,
-    /// scatter.
+    /// Moved without arithmetic by a send or a receive.
     Move,
+    /// Moved without arithmetic by a collective (broadcast, all-gather, all-to-all, gather,
+    /// scatter): refused below sm_90 by NCCL before 2.28.3.
+    CollMove,
+    /// An empty collective, which NCCL drops before looking at its reduction.
+    Empty,
     /// Reduced with sum, product, minimum or maximum.
     Reduce,
     /// Reduced with `Avg` or PreMulSum: scaled by a factor, then summed.
@@ -26,8 +33,12 @@ pub(crate) enum Use {
 }
 
 impl Use {
-    /// The use of a collective of `kind` with the wire code `redop` of its reduction.
-    pub(crate) fn of(kind: CollKind, redop: u32) -> Use {
+    /// The use of a collective of `kind` over `count` elements with the wire code `redop` of
+    /// its reduction.
+    pub(crate) fn of(kind: CollKind, count: u64, redop: u32) -> Use {
+        if count == 0 {
+            return Use::Empty;
+        }
         match kind {
             CollKind::AllReduce | CollKind::Reduce | CollKind::ReduceScatter => {
                 if redop == ncclRedOp_t::ncclAvg.0 || redop == PRE_MUL_SUM {
@@ -36,10 +47,13 @@ impl Use {
                     Use::Reduce
                 }
             }
-            _ => Use::Move,
+            _ => Use::CollMove,
         }
     }
 }
+
+/// The first NCCL whose moving collectives take fp8 on any GPU (`taskAppend`, 2.28.3).
+const FP8_COLL_MOVE_ANY_GPU: i32 = 22803;
 
 /// Why NCCL would refuse an element type for a use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +62,8 @@ pub(crate) enum Refusal {
     OldNccl,
     /// Reductions of the type need a newer GPU than this compute capability.
     OldGpu(i32, i32),
+    /// This NCCL's collectives take the type only on a newer GPU than this compute capability.
+    OldGpuForCollectives(i32, i32),
     /// A one-rank communicator has no scaling kernel for the type.
     OneRankScale,
 }
@@ -68,12 +84,16 @@ pub(crate) fn refusal(
     if version.is_none_or(|v| v < loader::FP8_MIN_VERSION) {
         return Some(Refusal::OldNccl);
     }
-    if how == Use::Move {
+    let new_nccl = version.is_some_and(|v| v >= FP8_COLL_MOVE_ANY_GPU);
+    if how == Use::Move || how == Use::Empty || (how == Use::CollMove && new_nccl) {
         return None;
     }
     let (major, minor) = compute();
     if major < 9 {
-        return Some(Refusal::OldGpu(major, minor));
+        return Some(match how {
+            Use::CollMove => Refusal::OldGpuForCollectives(major, minor),
+            _ => Refusal::OldGpu(major, minor),
+        });
     }
     (how == Use::Scale && world == 1).then_some(Refusal::OneRankScale)
 }
@@ -126,6 +146,12 @@ pub(crate) fn check_use(comm: &Communicator, dtype: ncclDataType_t, how: Use) ->
              data with sends, receives, broadcast or all-gather, or reduce in f16 or bf16",
             comm.device().ordinal()
         ))),
+        Some(Refusal::OldGpuForCollectives(major, minor)) => Err(Error::InvalidArgument(format!(
+            "a collective of {name} needs, with this NCCL (older than 2.28.3), a GPU of compute \
+             capability 9.0 (sm_90) or newer, and device {} is {major}.{minor}: move fp8 data \
+             with sends and receives, or load NCCL 2.28.3 or newer",
+            comm.device().ordinal()
+        ))),
         Some(Refusal::OneRankScale) => Err(Error::InvalidArgument(format!(
             "Avg and PreMulSum of {name} on a one-rank communicator: NCCL (2.28) has no fp8 \
              kernel for scaling on one rank. Use Sum (on one rank, a copy) and scale the result"
@@ -149,14 +175,23 @@ mod tests {
         let never = || -> (i32, i32) { panic!("the compute capability is asked only for reductions") };
         // Other types: nothing asked, whatever the version.
         assert_eq!(refusal(f32_, Use::Scale, Some(21800), never, 1), None);
-        // Older than 2.24.3: refused for every use.
-        for how in [Use::Move, Use::Reduce, Use::Scale] {
+        // Older than 2.24.3: refused for every use, empty collectives too (NCCL checks the type
+        // code before the count).
+        for how in [Use::Move, Use::CollMove, Use::Empty, Use::Reduce, Use::Scale] {
             assert_eq!(refusal(e4, how, Some(22304), h200, 2), Some(Refusal::OldNccl));
             assert_eq!(refusal(e5, how, None, h200, 2), Some(Refusal::OldNccl));
         }
-        // Moved: any GPU, from 2.24.3.
+        // Sent and received: any GPU, from 2.24.3; empty collectives likewise (NCCL drops them).
         assert_eq!(refusal(e4, Use::Move, Some(22403), never, 1), None);
         assert_eq!(refusal(e5, Use::Move, Some(22803), never, 8), None);
+        assert_eq!(refusal(e4, Use::Empty, Some(22403), never, 2), None);
+        // Moved by a collective: any GPU from 2.28.3, sm_90 before.
+        assert_eq!(refusal(e4, Use::CollMove, Some(22803), never, 2), None);
+        assert_eq!(refusal(e4, Use::CollMove, Some(22703), h200, 2), None);
+        assert_eq!(
+            refusal(e5, Use::CollMove, Some(22703), a100, 2),
+            Some(Refusal::OldGpuForCollectives(8, 0))
+        );
         // Reduced: sm_90 or newer.
         assert_eq!(refusal(e4, Use::Reduce, Some(22803), h200, 1), None);
         assert_eq!(
@@ -179,13 +214,14 @@ mod tests {
     #[test]
     fn a_collective_uses_its_type_by_kind_and_reduction() {
         let sum = ncclRedOp_t::ncclSum.0;
-        assert_eq!(Use::of(CollKind::AllReduce, sum), Use::Reduce);
+        assert_eq!(Use::of(CollKind::AllReduce, 4, sum), Use::Reduce);
         assert_eq!(
-            Use::of(CollKind::ReduceScatter, ncclRedOp_t::ncclMax.0),
+            Use::of(CollKind::ReduceScatter, 4, ncclRedOp_t::ncclMax.0),
             Use::Reduce
         );
-        assert_eq!(Use::of(CollKind::Reduce, ncclRedOp_t::ncclAvg.0), Use::Scale);
-        assert_eq!(Use::of(CollKind::AllReduce, PRE_MUL_SUM), Use::Scale);
+        assert_eq!(Use::of(CollKind::Reduce, 4, ncclRedOp_t::ncclAvg.0), Use::Scale);
+        assert_eq!(Use::of(CollKind::AllReduce, 4, PRE_MUL_SUM), Use::Scale);
+        assert_eq!(Use::of(CollKind::AllReduce, 0, PRE_MUL_SUM), Use::Empty);
         for kind in [
             CollKind::Broadcast,
             CollKind::AllGather,
@@ -193,7 +229,8 @@ mod tests {
             CollKind::Gather,
             CollKind::Scatter,
         ] {
-            assert_eq!(Use::of(kind, crate::nccl::verify::wire::NONE), Use::Move);
+            assert_eq!(Use::of(kind, 4, crate::nccl::verify::wire::NONE), Use::CollMove);
+            assert_eq!(Use::of(kind, 0, crate::nccl::verify::wire::NONE), Use::Empty);
         }
     }
 }

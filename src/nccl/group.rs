@@ -371,7 +371,7 @@ impl<'a> Group<'a> {
             fp8::check_use(o.comm, o.dtype, Use::Move)?;
         }
         for c in &self.colls {
-            fp8::check_use(c.comm, c.dtype, Use::of(c.desc.kind, c.desc.redop))?;
+            fp8::check_use(c.comm, c.dtype, Use::of(c.desc.kind, c.desc.count, c.desc.redop))?;
         }
         Ok(())
     }

@@ -4,12 +4,13 @@
 //! # fp8 (feature `float8`)
 //! [`float8::F8E4M3`] and [`float8::F8E5M2`] are `ncclFloat8e4m3` (10) and `ncclFloat8e5m2`
 //! (11). What NCCL 2.28.3's source accepts for them, checked here before anything is queued
-//! ([`check_use`]), so that NCCL's invalid-argument (which would abort the communicator) is
+//! (`nccl/fp8.rs`), so that NCCL's invalid-argument (which would abort the communicator) is
 //! never reached:
 //! - the types exist from NCCL 2.24.3 on (older versions refuse any code past `ncclBfloat16`):
 //!   an older NCCL is [`Error::Unsupported`] naming the version;
-//! - moving them (sends, receives, broadcast, all-gather, all-to-all, gather, scatter) works on
-//!   any GPU;
+//! - sending and receiving them works on any GPU, and so do the collectives that only move
+//!   them (broadcast, all-gather, all-to-all, gather, scatter) from NCCL 2.28.3 on; older NCCLs
+//!   refuse those below sm_90 like reductions;
 //! - reducing them (all-reduce, reduce, reduce-scatter) needs compute capability 9.0 (sm_90)
 //!   or newer: `taskAppend` refuses them when the communicator's oldest GPU is older (its
 //!   `minCompCap`), and its reduction kernels are only built for sm_90+. Checked on this rank's
