@@ -1,4 +1,5 @@
-//! The crate's one error type.
+//! The crate's one error type: every fallible call of the crate returns [`Error`], each variant
+//! saying what failed and what to do, with the raw status code or the cause kept.
 
 /// Everything that can go wrong in handoff. Each variant says what failed and what to do.
 ///

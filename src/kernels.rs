@@ -168,8 +168,8 @@ pub fn busy(duration: Duration, stream: &Stream) -> Result<()> {
 
 /// Blocks for [`delayed_copy`]: few, so that its long wait holds only a few multiprocessors.
 /// A kernel with blocks on every multiprocessor can keep kernels that need another
-/// shared-memory configuration (NCCL's, for one) from starting until it ends: seen on the H200,
-/// where that delay hid the missing ordering the hazard tests look for.
+/// shared-memory configuration (NCCL's, for one) from starting until it ends (so on the H200),
+/// and that delay would hide the missing ordering the hazard tests look for.
 const DELAYED_COPY_BLOCKS: u32 = 16;
 
 /// A long read: waits `delay` on the GPU, then copies `src` into `dst`, on `stream`. Each is a
@@ -279,8 +279,8 @@ mod tests {
         assert_eq!(produced_value(1 << 24, 0), 1.0);
     }
 
-    /// A fill of a zero-sized type over a huge length used to launch a grid-stride loop of
-    /// 2^64 - 1 iterations: now nothing is launched (no GPU here: a launch would fail).
+    /// A fill of a zero-sized type over a huge length launches nothing (no GPU here: a launch
+    /// would fail).
     #[test]
     fn filling_nothing_launches_nothing() {
         let device = crate::engine::device::Device::for_tests();

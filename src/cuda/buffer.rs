@@ -1,4 +1,6 @@
-//! [`DeviceBuffer`]: typed device memory whose every use is tracked.
+//! [`DeviceBuffer`]: typed device memory whose every use is tracked, freed only once its last
+//! use has completed on the GPU, and leaked rather than freed while a forgotten registration
+//! may still let NCCL use it.
 
 use std::sync::Arc;
 

@@ -1,5 +1,6 @@
 //! [`Device`]'s public face: how many GPUs there are, opening one, its name, waiting for it. The
-//! type and the state its streams and buffers share are the engine's (`src/engine`).
+//! type and the state its streams and buffers share are the engine's (`src/engine`). A failure
+//! to find a GPU says which of "no driver", "driver too old" and "no such device" it is.
 
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
@@ -19,7 +20,7 @@ impl Device {
     pub fn count() -> Result<usize> {
         match cu::device_count() {
             Ok(n) => Ok(n.max(0) as usize),
-            // The versions are asked only now: they tell the driver cases apart.
+            // The versions are asked only on failure: they tell the driver cases apart.
             Err(e) => classify_count_error(e, cu::driver_version(), cu::runtime_version()),
         }
     }
@@ -60,8 +61,8 @@ impl Device {
 /// What a failed `cudaGetDeviceCount` means, given `cudaDriverGetVersion` and
 /// `cudaRuntimeGetVersion` asked afterwards. The runtime reports both "no driver" and "driver
 /// too old" as `cudaErrorInsufficientDriver`; the driver version tells them apart: it is 0 when
-/// `libcuda.so.1` cannot be loaded (measured with CUDA 13.0's libcudart on a machine without
-/// a driver, as NVIDIA's documentation of `cudaDriverGetVersion` says).
+/// `libcuda.so.1` cannot be loaded, as NVIDIA's documentation of `cudaDriverGetVersion` says and
+/// CUDA 13.0's libcudart does on a machine without a driver.
 fn classify_count_error(err: Error, driver: Result<i32>, runtime: Result<i32>) -> Result<usize> {
     let Error::Cuda { code, .. } = &err else {
         return Err(err);

@@ -79,10 +79,10 @@
 //! inside a capture ("operation not permitted when stream is capturing", then the communicator
 //! is unusable): run one eager send/receive with each peer on the graph's communicator before
 //! capturing, or set `NCCL_RUNTIME_CONNECT=0` to connect at creation. NCCL's documentation
-//! warns that graphs of several communicators launched from one thread have been seen to
-//! deadlock CUDA through its support for mixing captured and eager work
-//! (`NCCL_GRAPH_MIXING_SUPPORT=0` turns that support off); handoff has not seen it (the tests
-//! launch two communicators' graphs from one thread), and cannot bound such a wait inside CUDA.
+//! warns that graphs of several communicators launched from one thread can deadlock CUDA
+//! through its support for mixing captured and eager work (`NCCL_GRAPH_MIXING_SUPPORT=0` turns
+//! that support off); handoff's tests launch two communicators' graphs from one thread, and
+//! handoff cannot bound such a wait inside CUDA.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;

@@ -1,6 +1,7 @@
 //! [`Stream`]'s public face (making one, waiting, events, raw work declared with [`RawUse`]) and
 //! [`Event`]. The type itself, the per-stream state the engine keeps, is the engine's
-//! (`src/engine/stream.rs`).
+//! (`src/engine/stream.rs`). Work queued here goes through the engine like the crate's own:
+//! raw work declares the buffers it uses, and one handle is wrapped by at most one `Stream`.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 

@@ -776,8 +776,8 @@ mod tests {
 
     #[test]
     fn a_failed_wait_never_ends_while_the_copy_is_pending() {
-        // The hole this closes: a stream synchronize that fails at once (a capture begun
-        // meanwhile) ended the wait, with the copy still queued.
+        // A stream synchronize that fails at once (a capture begun meanwhile) must not end the
+        // wait while the copy is still queued: the copy is polled until it has completed.
         let answers = vec![Ok(false), Ok(false), Ok(false), Ok(true)];
         assert_eq!(
             wait_with(Err(cuda(CAPTURE_UNSUPPORTED)), answers),

@@ -1,5 +1,6 @@
 //! Graphs with NCCL operations: [`Graph::capture_with`] hands a [`Communicator`] to the graph,
-//! which drives it through [`GraphComm`], the CUDA half's view of a graph's communicator.
+//! which drives it through [`GraphComm`], the CUDA half's view of a graph's communicator. The
+//! graph owns the communicator from then on: it runs nothing but the graph's replays.
 
 use std::sync::Arc;
 
@@ -44,8 +45,8 @@ impl Graph {
     /// As [`Graph::capture`], with NCCL operations on `comm`, which the graph owns from now on
     /// (it is dropped with the graph, or at once if the capture fails). `body` gets it back by
     /// reference to queue sends, receives, collectives and groups on `stream` (or on streams
-    /// joined to the capture); they are
-    /// verified across ranks now, as eager ones are, and replayed without being checked again.
+    /// joined to the capture); they are verified across ranks during the capture, as eager ones
+    /// are, and replayed without being checked again.
     /// Every rank must capture the same NCCL operations on this communicator, and replay the
     /// graph as often as the others: a rank left waiting is aborted by the watchdog after the
     /// communicator's timeout. A graph with NCCL operations replays only on `stream`. Send and

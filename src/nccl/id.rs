@@ -1,4 +1,6 @@
-//! [`UniqueId`]: what the ranks of one communicator share to find each other.
+//! [`UniqueId`]: what the ranks of one communicator share to find each other. Its bytes are
+//! opaque and only copied; an id read from text is refused unless it is exactly
+//! [`UniqueId::BYTES`] bytes of hex.
 
 use std::fmt;
 use std::str::FromStr;

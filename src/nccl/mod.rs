@@ -12,7 +12,7 @@
 //! NCCL queues nothing on a stream before `ncclGroupEnd` (and, for a non-blocking communicator,
 //! before its state leaves `ncclInProgress`). handoff therefore makes the streams wait for
 //! earlier conflicting uses *before* the group, and records the events that track the transfers
-//! only *after* the group has been enqueued: recording them inside the group, as cudarc did
+//! only *after* the group has been enqueued: recording them inside the group, as cudarc does
 //! (its issue 575), would let them complete before the transfers even start. The raw
 //! `ncclGroupStart` that could leave such a group open is `unsafe` for that reason.
 //!

@@ -1,4 +1,5 @@
-//! [`CommOptions`]: how a communicator is made.
+//! [`CommOptions`]: how a communicator is made. Verification is on by default in every
+//! profile, and only the `unsafe` [`CommOptions::unverified`] turns it off.
 
 use std::time::Duration;
 
@@ -103,9 +104,8 @@ impl CommOptions {
     /// `src/nccl/verify/model.rs`); every rank posts the same collectives in the same order;
     /// and both sides of each transfer agree on whether their memory is registered with the
     /// communicator, and, in a graph capture, on whether it is from `ncclMemAlloc` (what
-    /// verification would have compared). NCCL leaves a disagreement undefined: measured on
-    /// two H200s it delivered wrong data, hung, or wrote past the end of a shorter receive
-    /// buffer.
+    /// verification would have compared). NCCL leaves a disagreement undefined: on two H200s it
+    /// delivers wrong data, hangs, or writes past the end of a shorter receive buffer.
     ///
     /// ```
     /// // SAFETY: every rank of this program posts matching sends and receives.
@@ -181,7 +181,7 @@ mod tests {
 
     #[test]
     fn verified_by_default_in_every_profile() {
-        // Issue 9, hole 1: release builds used to default to unverified.
+        // Issue 9, hole 1: release builds default to verified too.
         let o = CommOptions::default();
         assert!(o.verified() && o.blocking());
         assert_eq!(o.timeout(), Duration::from_secs(120));

@@ -1,6 +1,7 @@
 //! Splitting a communicator into sub-communicators (`ncclCommSplit`): [`Communicator::split`]
 //! for ranks on their own threads or processes, [`Communicator::split_all`] for the ranks one
-//! thread made together with [`Communicator::init_all`].
+//! thread made together with [`Communicator::init_all`]. Each parent stays locked until its
+//! split has finished (no watchdog aborts it mid-split), and NCCL's "no color" is never passed.
 
 use std::sync::Arc;
 use std::time::Instant;

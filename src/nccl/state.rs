@@ -193,8 +193,8 @@ pub(crate) struct OpOrigin {
 impl Origin for OpOrigin {
     /// An NCCL error that the watchdog has not yet acted on may have ended the communicator's
     /// kernels early, and a peer that broke (aborted, failed) before sending may have let a
-    /// receive complete without its data (seen on the H200: a receive whose sender aborted
-    /// completed at once, the buffer untouched). Either way: abort now, and say so. A
+    /// receive complete without its data (on the H200 a receive whose sender aborted completes
+    /// at once, its buffer untouched). Either way: abort now, and say so. A
     /// communicator broken before has already marked the work it cut short.
     fn failure(&self) -> Option<String> {
         let shared = self.shared.upgrade()?;

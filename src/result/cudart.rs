@@ -2,6 +2,12 @@
 //! raw status code into a [`Result`]. No tracking and no ownership here; the safe API builds on
 //! these. Functions that take raw handles are `unsafe`: the caller vouches for the handles.
 //!
+//! # Errors
+//! Said once for every function here: [`Error::LibraryNotFound`] or
+//! [`Error::LibraryIncompatible`] when the runtime cannot be loaded, and [`Error::Cuda`] (the
+//! call's name, code and CUDA's text) when the call fails; a function that can fail otherwise
+//! says so.
+//!
 //! NVIDIA's reference for each call: <https://docs.nvidia.com/cuda/cuda-runtime-api/>.
 
 use std::ffi::{CStr, c_void};

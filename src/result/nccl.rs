@@ -6,6 +6,13 @@
 //! could break what the safe API guarantees (raw handles, pointers, an open group) are `unsafe`
 //! and say what they require.
 //!
+//! # Errors
+//! Said once for every function here: [`Error::LibraryNotFound`] or
+//! [`Error::LibraryIncompatible`] when NCCL cannot be loaded, and [`Error::Nccl`] (the call's
+//! name, code and `ncclGetLastError`'s text) when the call fails; the functions of registered
+//! memory and windows also [`Error::Unsupported`] when the loaded NCCL lacks them. A function
+//! that can fail otherwise says so.
+//!
 //! NVIDIA's reference: <https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/api.html>.
 
 use std::ffi::CStr;
@@ -259,6 +266,9 @@ pub unsafe fn comm_split(
 }
 
 /// `ncclCommCount` and `ncclCommUserRank`: the communicator's size and this rank in it.
+///
+/// # Errors
+/// Also [`Error::Setup`] when NCCL reports a rank that is not below the size.
 ///
 /// # Safety
 /// `comm` is a live communicator that has finished initializing.
@@ -555,6 +565,9 @@ pub fn register_lib() -> Result<&'static NcclRegisterLib> {
 /// memory management (`cuMemCreate`, mapped for every peer GPU that can reach it) where NCCL's
 /// cuMem support is on, else from `cudaMalloc` (`NCCL_CUMEM_ENABLE=0`, a driver without it).
 /// Not stream-ordered: usable by every stream at once. Leaking it is safe.
+///
+/// # Errors
+/// Also [`Error::InvalidArgument`] when NCCL answers success with a null pointer.
 pub fn mem_alloc(bytes: usize) -> Result<*mut std::ffi::c_void> {
     let mut ptr = std::ptr::null_mut();
     // SAFETY: writes one pointer through a valid pointer.

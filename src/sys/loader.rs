@@ -336,6 +336,9 @@ pub fn nccl_register() -> Result<&'static NcclRegisterLib, Error> {
 
 /// Resolves the registration functions in `path`, whose `ncclGetVersion` said `version`.
 ///
+/// # Errors
+/// [`Error::Unsupported`] when `path` cannot be opened or lacks one of the functions.
+///
 /// # Safety
 /// `path` is sound to load (see [`open_with`]), and its symbols of these names have the
 /// signatures of NCCL 2.28.3's nccl.h.

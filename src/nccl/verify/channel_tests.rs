@@ -207,7 +207,7 @@ fn operations_and_collectives_are_checked_through_mirrors_and_a_mismatch_fails_b
         let (rb, b) = tb.join().unwrap();
         ra.unwrap();
         rb.unwrap();
-        // The measured mismatch: both ranks refuse it, naming both counts. (Each first sees
+        // Issue 9's mismatch: both ranks refuse it, naming both counts. (Each first sees
         // that the other checked its 300 operations: a rank whose ring is still full finds
         // the mismatch before it can publish, and its peer then sees it broken instead.)
         let until = deadline(2_000);

@@ -1,7 +1,7 @@
 //! Verification: before a send or receive reaches NCCL, both ranks of the pair have seen each
 //! other's operation and agree on its element count and type, in the order issued (NCCL
 //! matches a pair's sends and receives in that order and leaves a disagreement undefined: on
-//! the H200 it wrote past a shorter receive, delivered wrong data, or hung).
+//! the H200 it writes past a shorter receive, delivers wrong data, or hangs).
 //!
 //! What counts as a send or a receive, and in which order, is NCCL's own matching, written down
 //! in [`model`]: the per-peer parts of all_to_all, gather and scatter count too.

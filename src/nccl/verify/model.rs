@@ -17,7 +17,8 @@
 //! queues. NCCL then pairs the `i`-th send from `a` to `b` with the `i`-th receive of `b` from
 //! `a`, whatever groups they were posted in (one communicator's kernels run in order), and
 //! copies the sender's bytes into the receiver's buffer without comparing sizes: a send longer
-//! than its receive writes past it (BENCHMARKS.md, run 10).
+//! than its receive writes past it (BENCHMARKS.md, "what NCCL 2.28 does with unmatched and
+//! uneven point-to-point calls").
 //!
 //! So verification compares, per pair and direction, the sequence [`expand`] makes of each
 //! rank's calls in the order handoff posts them ([`crate::Group`] posts in call order), every

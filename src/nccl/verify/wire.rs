@@ -663,7 +663,7 @@ mod tests {
 
     #[test]
     fn count_mismatch_names_both_sides_on_both_ranks() {
-        // The measured case of issue 9: a send of n matched with a receive of 3n/4.
+        // Issue 9's case: a send of n matched with a receive of 3n/4.
         let at_sender = compare(0, 1, Dir::Send, 2, op(4_194_304, F32), op(3_145_728, F32)).unwrap_err();
         assert!(
             at_sender.contains("rank 0's send #3 to rank 1 is 4194304 elements of f32")
