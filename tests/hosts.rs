@@ -223,8 +223,20 @@ fn scratch() -> PathBuf {
     d
 }
 
-/// What a child printed, once it exited (killed after `limit`).
+/// What a child printed, once it exited (killed after `limit`). Its output is read while it
+/// runs: a child that prints more than a pipe holds (NCCL's log) must not stall on it.
 fn finish(mut c: Child, limit: Duration) -> (bool, String) {
+    let drain = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_string(&mut text);
+            }
+            text
+        })
+    };
+    let out = drain(c.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let err = drain(c.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
     let started = Instant::now();
     let status = loop {
         if let Some(s) = c.try_wait().unwrap() {
@@ -237,10 +249,7 @@ fn finish(mut c: Child, limit: Duration) -> (bool, String) {
         }
         std::thread::sleep(Duration::from_millis(10));
     };
-    let mut out = String::new();
-    let _ = c.stdout.take().unwrap().read_to_string(&mut out);
-    let mut err = String::new();
-    let _ = c.stderr.take().unwrap().read_to_string(&mut err);
+    let (out, err) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
     (
         status.is_some_and(|s| s.success()),
         format!(
