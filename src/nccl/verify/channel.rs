@@ -28,10 +28,9 @@
 //! a verification runs, the frames of its peers are corked ([`Channel::cork`]): what it
 //! publishes and checks goes out as one record, one system call, before it waits and when it
 //! returns. A checked counter is held back, its later value replacing its earlier one, until
-//! it lags half a ring behind, a verification has flushed [`HELD_FLUSHES`] times without it
-//! (see `Out::due`), or the receiver thread sends it (within twice [`IDLE`]): the peer needs
-//! counters only to reuse the slots of a full ring, and the common record is then one entry's
-//! frame.
+//! it lags half a ring behind (see `Out::due`), a verification waits on the socket, or the
+//! receiver thread sends it (within twice [`IDLE`]): the peer needs counters only to reuse the
+//! slots of a full ring, and the common record is then one entry's frame.
 //! Should the socket be full (the peer stopped reading), an entry or counter waits for room up
 //! to the communicator's timeout, without holding the connection's lock, and then the peer
 //! counts as broken; the watchdog's heartbeat and a broken note never wait (they are queued,
@@ -60,9 +59,6 @@ const RECORD_MAX: usize = 8 + MAX_FRAMES * FRAME_BYTES + TAG_BYTES;
 const QUEUE_LIMIT: usize = 64 * 1024;
 /// How much one read takes at most.
 const READ_BYTES: usize = 16 * 1024;
-/// How many flushes held checked counters sit out at most (see `Out::due`): a verification
-/// that waits flushes once a look, so its counters go within some 64 looks (tens of µs).
-const HELD_FLUSHES: u32 = 64;
 
 const K_PUBLISH: u64 = 1;
 const K_CHECKED: u64 = 2;
@@ -287,8 +283,6 @@ struct Out {
     held: [Option<u64>; 3],
     /// The counters' values last sealed into a record.
     sent: [u64; 3],
-    /// Flushes since the held counters were last sent (see [`Out::due`]).
-    passed: u32,
     /// A verification holds the frames back until it flushes them.
     corked: bool,
     /// The connection failed: nothing more is sent.
@@ -307,7 +301,6 @@ impl Out {
             must: false,
             held: [None; 3],
             sent: [0; 3],
-            passed: 0,
             corked: false,
             dead: false,
         }
@@ -339,20 +332,17 @@ impl Out {
         }
     }
 
-    /// Whether the held counters must go with the next record: one moved half a ring since it
-    /// was last sent, or they sat out [`HELD_FLUSHES`] flushes. The peer needs a counter only
-    /// to reuse a slot of a full ring (it publishes entry `i` once this rank has checked
-    /// `i - RING`), so one that lags by less than half a ring may wait a while: for a record
-    /// it is due in, for a verification that keeps waiting (it flushes at every look), or for
-    /// the receiver thread (within twice [`IDLE`]). Sending each value would add a frame, and
-    /// a block of the tag, to every record.
+    /// Whether a held counter must go with the next record: it moved half a ring since it was
+    /// last sent. The peer needs a counter only to reuse a slot of a full ring (it publishes
+    /// entry `i` once this rank has checked `i - RING`), so one that lags by less than half a
+    /// ring may wait for a record it is due in, a verification that waits
+    /// ([`Channel::wait`]), or the receiver thread (within twice [`IDLE`]); sending each
+    /// value would add a frame, and a block of the tag, to every record.
     fn due(&self) -> bool {
-        self.passed >= HELD_FLUSHES
-            || self
-                .held
-                .iter()
-                .zip(self.sent)
-                .any(|(h, s)| h.is_some_and(|h| h.wrapping_sub(s) >= RING / 2))
+        self.held
+            .iter()
+            .zip(self.sent)
+            .any(|(h, s)| h.is_some_and(|h| h.wrapping_sub(s) >= RING / 2))
     }
 
     /// Closes the open record with the held counters (all of them, or only if [`Out::due`]):
@@ -382,7 +372,6 @@ impl Out {
                 self.sent[c] = n;
                 self.must = true;
             }
-            self.passed = 0;
         }
         if self.seq >= MAX_RECORDS {
             self.dead = true;
@@ -699,17 +688,24 @@ impl Channel {
     /// [`Out::due`]), an entry or counter waiting (bounded by the timeout) for room in a full
     /// socket.
     pub(crate) fn flush(&self, peer: usize) {
+        self.flush_with(peer, false);
+    }
+
+    /// [`Channel::flush`], with every held counter if `counters`.
+    fn flush_with(&self, peer: usize, counters: bool) {
         let Some(p) = self.peer(peer) else {
             return;
         };
         let mut out = p.out();
-        if out.held.iter().any(Option::is_some) {
-            out.passed += 1;
-        }
-        if out.frames == 0 && out.queued.is_empty() && !out.due() {
+        let held = if counters {
+            out.held.iter().any(Option::is_some)
+        } else {
+            out.due()
+        };
+        if out.frames == 0 && out.queued.is_empty() && !held {
             return;
         }
-        let ok = out.flush(false);
+        let ok = out.flush(counters);
         let stuck = out.stuck();
         drop(out);
         self.settle(p, ok, stuck);
@@ -767,9 +763,14 @@ impl Channel {
         any
     }
 
-    /// Waits up to `timeout` (at least a millisecond) until one of `peers` sent something.
+    /// Waits up to `timeout` (at least a millisecond) until one of `peers` sent something,
+    /// having sent them every counter held back: a verification that waits this long has no
+    /// system call to spare, and its peers get every slot it freed.
     pub(crate) fn wait(&self, peers: impl Iterator<Item = usize>, timeout: Duration) {
-        let (_, mut fds) = self.fds(peers);
+        let (peers, mut fds) = self.fds(peers);
+        for p in peers {
+            self.flush_with(p, true);
+        }
         if !fds.is_empty() {
             poll_fds(&mut fds, millis(timeout));
         }

@@ -736,7 +736,7 @@ fn a_verification_that_waits_sends_the_counters_it_holds() {
     let (a, mut peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0)]));
     // The send is checked at once (its counter held back), the receive never matched: the
     // verification waits, its link corked throughout (the receiver thread sends nothing),
-    // until its timeout; the counter goes once it has sat out enough of its flushes.
+    // until its timeout.
     let waiting = std::thread::spawn(move || verify(&[ops(&a, &[4], &[4], 2 * SECOND)], &[]));
     let records = records_until(&mut peer, |r| !recvs_checked(r).is_empty(), SECOND);
     assert!(
