@@ -337,7 +337,10 @@ impl Out {
     /// entry `i` once this rank has checked `i - RING`), so one that lags by less than half a
     /// ring may wait for a record it is due in, a verification that waits
     /// ([`Channel::wait`]), or the receiver thread (within twice [`IDLE`]); sending each
-    /// value would add a frame, and a block of the tag, to every record.
+    /// value would add a frame, and a block of the tag, to every record. It never holds up
+    /// an entry this rank waits for: waiting for entry `c` means it has checked `c`, so the
+    /// peer knows of more than `c - RING / 2` and may publish up to past `c + RING / 2`. (A
+    /// verification flushes at every look, so what becomes due while it waits goes at once.)
     fn due(&self) -> bool {
         self.held
             .iter()
