@@ -5,8 +5,12 @@
 //! the communicator's own setup code, over an all-gather made of files in a folder both see,
 //! in place of NCCL's.
 //!
-//! Needs root and `ip` (iproute2); where namespaces cannot be made the namespace trials print
-//! why and report ignored. The same-host trial runs everywhere.
+//! Needs root and `ip` (iproute2; `HANDOFF_IP` may name it where it is not on the path); where
+//! namespaces cannot be made the namespace trials print why and report ignored. The same-host
+//! trial runs everywhere.
+//!
+//! With two GPUs, the full communicator too (`hosts/gpu.rs`): one process and GPU in each
+//! namespace, NCCL on its socket transport over the veth pair.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -16,6 +20,10 @@ use std::time::{Duration, Instant};
 
 use handoff::nccl::rehearsal::Rank;
 use libtest_mimic::{Arguments, Failed, Trial};
+
+mod common;
+#[path = "hosts/gpu.rs"]
+mod gpu;
 
 /// Set in the child processes: their role.
 const ROLE: &str = "HANDOFF_REHEARSAL_ROLE";
@@ -46,7 +54,7 @@ fn main() {
     }
     let ns =
         |name: &str, f: fn() -> Result<(), Failed>| Trial::test(name, f).with_ignored_flag(why_not.is_some());
-    let trials = vec![
+    let mut trials = vec![
         Trial::test(
             "same_host_pairs_share_files_unless_the_channel_is_forced",
             same_host,
@@ -61,6 +69,7 @@ fn main() {
             secrets_differ,
         ),
     ];
+    trials.extend(gpu::trials(why_not.as_deref()));
     libtest_mimic::run(&args, trials).exit()
 }
 
@@ -71,7 +80,7 @@ fn namespaces_unavailable() -> Option<String> {
     if unsafe { geteuid() } != 0 {
         return Some("not root (network and mount namespaces need CAP_SYS_ADMIN)".into());
     }
-    for tool in ["ip", "unshare", "mount"] {
+    for tool in [ip().as_str(), "unshare", "mount"] {
         let found = Command::new(tool)
             .arg("--version")
             .stdout(Stdio::null())
@@ -80,7 +89,8 @@ fn namespaces_unavailable() -> Option<String> {
             .is_ok();
         if !found {
             return Some(format!(
-                "`{tool}` is not installed (scripts/setup.sh installs iproute2)"
+                "`{tool}` is not installed (scripts/setup.sh installs iproute2; HANDOFF_IP may name \
+                 an `ip` elsewhere)"
             ));
         }
     }
@@ -106,6 +116,14 @@ unsafe extern "C" {
     fn geteuid() -> u32;
 }
 
+/// The `ip` to run: `HANDOFF_IP`, else the one on the path.
+fn ip() -> String {
+    std::env::var("HANDOFF_IP")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "ip".into())
+}
+
 fn sh(args: &[&str]) -> Result<(), String> {
     let out = Command::new(args[0])
         .args(&args[1..])
@@ -127,6 +145,9 @@ fn sh(args: &[&str]) -> Result<(), String> {
 struct Hosts {
     a: String,
     b: String,
+    /// The veth pair's ends, in `a` and in `b`.
+    va: String,
+    vb: String,
 }
 
 impl Hosts {
@@ -137,16 +158,18 @@ impl Hosts {
         let h = Hosts {
             a: format!("hoa{tag}"),
             b: format!("hob{tag}"),
+            va: format!("va{tag}"),
+            vb: format!("vb{tag}"),
         };
-        let (va, vb) = (format!("va{tag}"), format!("vb{tag}"));
-        sh(&["ip", "netns", "add", &h.a])?;
-        sh(&["ip", "netns", "add", &h.b])?;
-        sh(&["ip", "link", "add", &va, "type", "veth", "peer", "name", &vb])?;
-        for (ns, v, ip) in [(&h.a, &va, A_IP), (&h.b, &vb, B_IP)] {
-            sh(&["ip", "link", "set", v, "netns", ns])?;
-            sh(&["ip", "-n", ns, "addr", "add", &format!("{ip}/24"), "dev", v])?;
-            sh(&["ip", "-n", ns, "link", "set", v, "up"])?;
-            sh(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
+        let ip = ip();
+        sh(&[&ip, "netns", "add", &h.a])?;
+        sh(&[&ip, "netns", "add", &h.b])?;
+        sh(&[&ip, "link", "add", &h.va, "type", "veth", "peer", "name", &h.vb])?;
+        for (ns, v, addr) in [(&h.a, &h.va, A_IP), (&h.b, &h.vb, B_IP)] {
+            sh(&[&ip, "link", "set", v, "netns", ns])?;
+            sh(&[&ip, "-n", ns, "addr", "add", &format!("{addr}/24"), "dev", v])?;
+            sh(&[&ip, "-n", ns, "link", "set", v, "up"])?;
+            sh(&[&ip, "-n", ns, "link", "set", "lo", "up"])?;
         }
         Ok(h)
     }
@@ -154,7 +177,7 @@ impl Hosts {
     /// Runs `program` in namespace `ns` with its own mount namespace and an empty private
     /// tmpfs on /dev/shm, with `env`.
     fn run(&self, ns: &str, env: &[(&str, String)], program: &Path, args: &[&str]) -> Result<Child, String> {
-        let mut c = Command::new("ip");
+        let mut c = Command::new(ip());
         c.args([
             "netns",
             "exec",
@@ -180,8 +203,9 @@ impl Hosts {
 
 impl Drop for Hosts {
     fn drop(&mut self) {
-        let _ = sh(&["ip", "netns", "del", &self.a]);
-        let _ = sh(&["ip", "netns", "del", &self.b]);
+        let ip = ip();
+        let _ = sh(&[&ip, "netns", "del", &self.a]);
+        let _ = sh(&[&ip, "netns", "del", &self.b]);
     }
 }
 
@@ -199,8 +223,20 @@ fn scratch() -> PathBuf {
     d
 }
 
-/// What a child printed, once it exited (killed after `limit`).
+/// What a child printed, once it exited (killed after `limit`). Its output is read while it
+/// runs: a child that prints more than a pipe holds (NCCL's log) must not stall on it.
 fn finish(mut c: Child, limit: Duration) -> (bool, String) {
+    let drain = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_string(&mut text);
+            }
+            text
+        })
+    };
+    let out = drain(c.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let err = drain(c.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
     let started = Instant::now();
     let status = loop {
         if let Some(s) = c.try_wait().unwrap() {
@@ -213,10 +249,7 @@ fn finish(mut c: Child, limit: Duration) -> (bool, String) {
         }
         std::thread::sleep(Duration::from_millis(10));
     };
-    let mut out = String::new();
-    let _ = c.stdout.take().unwrap().read_to_string(&mut out);
-    let mut err = String::new();
-    let _ = c.stderr.take().unwrap().read_to_string(&mut err);
+    let (out, err) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
     (
         status.is_some_and(|s| s.success()),
         format!(
@@ -565,6 +598,8 @@ fn child(role: &str) -> Result<(), String> {
             println!("checked after the rogues");
             barrier(rank)
         }
+        "gpu_send_recv" => gpu::send_recv_child(rank),
+        "gpu_mismatch" => gpu::mismatch_child(rank),
         "refused" => match settle(rank, Duration::from_secs(2), None) {
             Ok(_) => Err("set up with a peer that holds another secret".into()),
             Err(e) => {

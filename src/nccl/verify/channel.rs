@@ -27,9 +27,10 @@
 //! (`MSG_DONTWAIT`): a socket buffer holds thousands of frames and the peer reads them. While
 //! a verification runs, the frames of its peers are corked ([`Channel::cork`]): what it
 //! publishes and checks goes out as one record, one system call, before it waits and when it
-//! returns. Within a record a checked counter's later value replaces its earlier one, and a
-//! record of nothing but counters waits for the next record, or for the receiver thread
-//! (within twice [`IDLE`]): the peer needs counters only to reuse the slots of a full ring.
+//! returns. A checked counter is held back, its later value replacing its earlier one, until
+//! it lags half a ring behind (see `Out::due`), a verification waits on the socket, or the
+//! receiver thread sends it (within twice [`IDLE`]): the peer needs counters only to reuse the
+//! slots of a full ring, and the common record is then one entry's frame.
 //! Should the socket be full (the peer stopped reading), an entry or counter waits for room up
 //! to the communicator's timeout, without holding the connection's lock, and then the peer
 //! counts as broken; the watchdog's heartbeat and a broken note never wait (they are queued,
@@ -45,7 +46,7 @@ use std::time::{Duration, Instant};
 use hmac::Mac;
 
 use crate::nccl::verify::auth::{HmacSha256, Keys};
-use crate::nccl::verify::mailbox::{Note, Region, Relay};
+use crate::nccl::verify::mailbox::{Note, RING, Region, Relay};
 use crate::nccl::verify::wire::Dir;
 
 const FRAME_WORDS: usize = 5;
@@ -139,12 +140,30 @@ impl Note {
 
 pub(super) use crate::nccl::verify::mailbox::now_ms;
 
-/// The tag of record `seq`, whose count and frames are `body`.
-fn tag(key: &HmacSha256, seq: u64, body: &[u8]) -> [u8; 32] {
+/// The most records one direction of a connection carries: a record's sequence number and
+/// count share the first word its tag covers.
+const MAX_RECORDS: u64 = 1 << 56;
+
+/// What the tag of record `seq` covers, `body` being its count word and frames: the sequence
+/// number and count in one word, then the frames. A record of one frame is then 48 bytes, which
+/// HMAC-SHA256 hashes in one block after its key's (56 bytes would take two).
+fn tagged(seq: u64, body: &[u8]) -> ([u8; 8], &[u8]) {
+    debug_assert!(seq < MAX_RECORDS && body[1..8].iter().all(|&b| b == 0));
+    ((seq << 8 | u64::from(body[0])).to_le_bytes(), &body[8..])
+}
+
+/// A MAC of record `seq`, whose count word and frames are `body`, ready to finalize or verify.
+fn mac(key: &HmacSha256, seq: u64, body: &[u8]) -> HmacSha256 {
+    let (head, frames) = tagged(seq, body);
     let mut m = key.clone();
-    m.update(&seq.to_le_bytes());
-    m.update(body);
-    m.finalize().into_bytes().into()
+    m.update(&head);
+    m.update(frames);
+    m
+}
+
+/// The tag of record `seq`, whose count word and frames are `body`.
+fn tag(key: &HmacSha256, seq: u64, body: &[u8]) -> [u8; 32] {
+    mac(key, seq, body).finalize().into_bytes().into()
 }
 
 fn word_at(b: &[u8], at: usize) -> u64 {
@@ -242,12 +261,11 @@ struct Out {
     queued: Vec<u8>,
     /// What is open or queued holds an entry or counter (which waits for room).
     must: bool,
-    /// The open record holds more than checked counters (which may wait, see
-    /// [`Channel::uncork`]).
-    urgent: bool,
-    /// Where in the open record each checked counter's frame is (sends, receives,
-    /// collectives): a later value replaces it, as it would the word in a shared mailbox.
-    counters: [Option<usize>; 3],
+    /// The checked counters (sends, receives, collectives) not sent yet: a later value replaces
+    /// an earlier one, as it would the word in a shared mailbox. See [`Out::due`].
+    held: [Option<u64>; 3],
+    /// The counters' values last sealed into a record.
+    sent: [u64; 3],
     /// A verification holds the frames back until it flushes them.
     corked: bool,
     /// The connection failed: nothing more is sent.
@@ -264,50 +282,85 @@ impl Out {
             frames: 0,
             queued: Vec::new(),
             must: false,
-            urgent: false,
-            counters: [None; 3],
+            held: [None; 3],
+            sent: [0; 3],
             corked: false,
             dead: false,
         }
     }
 
     /// Adds `note`'s frame to the next record: always if `must`, else while the queue is short.
+    /// A checked counter is held instead (see [`Out::due`]).
     fn push(&mut self, note: Note, must: bool) {
         if self.dead || !must && self.queued.len() + self.open.len() >= QUEUE_LIMIT {
             return;
         }
-        let counter = match note {
-            Note::Checked { dir, .. } => Some(dir_code(dir) as usize),
-            Note::CollChecked { .. } => Some(2),
-            _ => None,
-        };
-        if let Some(at) = counter.and_then(|c| self.counters[c]) {
-            for (i, w) in note.encode().into_iter().enumerate() {
-                self.open[at + i * 8..at + i * 8 + 8].copy_from_slice(&w.to_le_bytes());
+        match note {
+            Note::Checked { dir, n } => self.held[dir_code(dir) as usize] = Some(n),
+            Note::CollChecked { n } => self.held[2] = Some(n),
+            _ => {
+                if self.frames == 0 {
+                    self.open.extend_from_slice(&[0; 8]);
+                }
+                for w in note.encode() {
+                    self.open.extend_from_slice(&w.to_le_bytes());
+                }
+                self.frames += 1;
+                self.must |= must;
+                // Room for the held counters.
+                if self.frames + self.held.len() == MAX_FRAMES {
+                    self.seal(true);
+                }
             }
-            return;
-        }
-        if self.frames == 0 {
-            self.open.extend_from_slice(&[0; 8]);
-        }
-        if let Some(c) = counter {
-            self.counters[c] = Some(self.open.len());
-        }
-        for w in note.encode() {
-            self.open.extend_from_slice(&w.to_le_bytes());
-        }
-        self.frames += 1;
-        self.must |= must;
-        self.urgent |= !matches!(note, Note::Checked { .. } | Note::CollChecked { .. });
-        if self.frames == MAX_FRAMES {
-            self.seal();
         }
     }
 
-    /// Closes the open record: its count, its tag, and into the queue.
-    fn seal(&mut self) {
-        if self.frames == 0 {
+    /// Whether a held counter must go with the next record: it moved half a ring since it was
+    /// last sent. The peer needs a counter only to reuse a slot of a full ring (it publishes
+    /// entry `i` once this rank has checked `i - RING`), so one that lags by less than half a
+    /// ring may wait for a record it is due in, a verification that waits
+    /// ([`Channel::wait`]), or the receiver thread (within twice [`IDLE`]); sending each
+    /// value would add a frame, and a block of the tag, to every record. It never holds up
+    /// an entry this rank waits for: waiting for entry `c` means it has checked `c`, so the
+    /// peer knows of more than `c - RING / 2` and may publish up to past `c + RING / 2`. (A
+    /// verification flushes at every look, so what becomes due while it waits goes at once.)
+    fn due(&self) -> bool {
+        self.held
+            .iter()
+            .zip(self.sent)
+            .any(|(h, s)| h.is_some_and(|h| h.wrapping_sub(s) >= RING / 2))
+    }
+
+    /// Closes the open record with the held counters (all of them, or only if [`Out::due`]):
+    /// its count, its tag, and into the queue.
+    fn seal(&mut self, counters: bool) {
+        let counters = counters || self.due();
+        if self.frames == 0 && !(counters && self.held.iter().any(Option::is_some)) {
             return;
+        }
+        if counters {
+            for c in 0..self.held.len() {
+                let Some(n) = self.held[c].take() else {
+                    continue;
+                };
+                if self.frames == 0 {
+                    self.open.extend_from_slice(&[0; 8]);
+                }
+                let note = match c {
+                    0 => Note::Checked { dir: Dir::Send, n },
+                    1 => Note::Checked { dir: Dir::Recv, n },
+                    _ => Note::CollChecked { n },
+                };
+                for w in note.encode() {
+                    self.open.extend_from_slice(&w.to_le_bytes());
+                }
+                self.frames += 1;
+                self.sent[c] = n;
+                self.must = true;
+            }
+        }
+        if self.seq >= MAX_RECORDS {
+            self.dead = true;
         }
         self.open[..8].copy_from_slice(&(self.frames as u64).to_le_bytes());
         let t = tag(&self.key, self.seq, &self.open);
@@ -316,14 +369,12 @@ impl Out {
         self.queued.extend_from_slice(&t[..TAG_BYTES]);
         self.open.clear();
         self.frames = 0;
-        self.urgent = false;
-        self.counters = [None; 3];
     }
 
-    /// Seals the open record and sends what the socket takes. False once the connection has
-    /// failed.
-    fn flush(&mut self) -> bool {
-        self.seal();
+    /// Seals the open record (with every held counter if `counters`, else those due) and sends
+    /// what the socket takes. False once the connection has failed.
+    fn flush(&mut self, counters: bool) -> bool {
+        self.seal(counters);
         while !self.dead && !self.queued.is_empty() {
             match send_now(&self.stream, &self.queued) {
                 Ok(0) => break,
@@ -416,9 +467,10 @@ impl In {
             if rest.len() < body + TAG_BYTES {
                 break;
             }
-            let mut m = self.key.clone();
-            m.update(&self.seq.to_le_bytes());
-            m.update(&rest[..body]);
+            if self.seq >= MAX_RECORDS {
+                return false;
+            }
+            let m = mac(&self.key, self.seq, &rest[..body]);
             // Compared in constant time: a forged tag learns nothing of the right one.
             if m.verify_truncated_left(&rest[body..body + TAG_BYTES]).is_err() {
                 return false;
@@ -616,7 +668,7 @@ impl Channel {
         if out.corked && !out.dead {
             return;
         }
-        let ok = out.flush();
+        let ok = out.flush(true);
         let stuck = must && out.stuck();
         drop(out);
         self.settle(p, ok, stuck);
@@ -637,33 +689,40 @@ impl Channel {
         }
     }
 
-    /// Sends what is held back for `peer`, an entry or counter waiting (bounded by the
-    /// timeout) for room in a full socket.
+    /// Sends what is held back for `peer` (of the checked counters, those due: see
+    /// [`Out::due`]), an entry or counter waiting (bounded by the timeout) for room in a full
+    /// socket.
     pub(crate) fn flush(&self, peer: usize) {
+        self.flush_with(peer, false);
+    }
+
+    /// [`Channel::flush`], with every held counter if `counters`.
+    fn flush_with(&self, peer: usize, counters: bool) {
         let Some(p) = self.peer(peer) else {
             return;
         };
         let mut out = p.out();
-        if out.frames == 0 && out.queued.is_empty() {
+        let held = if counters {
+            out.held.iter().any(Option::is_some)
+        } else {
+            out.due()
+        };
+        if out.frames == 0 && out.queued.is_empty() && !held {
             return;
         }
-        let ok = out.flush();
+        let ok = out.flush(counters);
         let stuck = out.stuck();
         drop(out);
         self.settle(p, ok, stuck);
     }
 
-    /// Ends [`Channel::cork`] and flushes, except checked counters alone: the peer needs those
-    /// only to reuse the slots of a full ring, so they go with the next record, or from the
-    /// receiver thread, sparing a system call on a verification's way out.
+    /// Ends [`Channel::cork`] and flushes, except checked counters that are not due: the peer
+    /// needs those only to reuse the slots of a full ring, so they go with a later record, or
+    /// from the receiver thread, sparing a system call on a verification's way out.
     pub(crate) fn uncork(&self, peer: usize) {
         if let Some(p) = self.peer(peer) {
-            let mut out = p.out();
-            out.corked = false;
-            if out.urgent || !out.queued.is_empty() {
-                drop(out);
-                self.flush(peer);
-            }
+            p.out().corked = false;
+            self.flush(peer);
         }
     }
 
@@ -709,9 +768,14 @@ impl Channel {
         any
     }
 
-    /// Waits up to `timeout` (at least a millisecond) until one of `peers` sent something.
+    /// Waits up to `timeout` (at least a millisecond) until one of `peers` sent something,
+    /// having sent them every counter held back: a verification that waits this long has no
+    /// system call to spare, and its peers get every slot it freed.
     pub(crate) fn wait(&self, peers: impl Iterator<Item = usize>, timeout: Duration) {
-        let (_, mut fds) = self.fds(peers);
+        let (peers, mut fds) = self.fds(peers);
+        for p in peers {
+            self.flush_with(p, true);
+        }
         if !fds.is_empty() {
             poll_fds(&mut fds, millis(timeout));
         }
@@ -752,7 +816,7 @@ impl Channel {
         loop {
             {
                 let mut out = p.out();
-                if !out.flush() {
+                if !out.flush(false) {
                     break;
                 }
                 if !out.stuck() {
@@ -785,7 +849,7 @@ impl Drop for Channel {
         for p in self.peers.iter().flatten() {
             p.stop.store(true, Ordering::Relaxed);
             let mut out = p.out();
-            out.flush();
+            out.flush(true);
             let _ = out.stream.shutdown(Shutdown::Write);
         }
         for p in self.peers.iter_mut().flatten() {
@@ -826,7 +890,8 @@ fn receive(link: &Link<'_>, me: usize, stop: &AtomicBool) {
         } else {
             {
                 let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
-                if !out.corked && (out.frames > 0 || !out.queued.is_empty()) && !out.flush() {
+                let held = out.held.iter().any(Option::is_some);
+                if !out.corked && (out.frames > 0 || !out.queued.is_empty() || held) && !out.flush(true) {
                     mirror.set_broken();
                 }
             }

@@ -642,3 +642,107 @@ fn a_trickling_client_is_cut_off_at_the_deadline() {
     assert!(took < Duration::from_millis(800), "held for {took:?}");
     trickle.join().unwrap();
 }
+
+/// The records `s` carries (the frames of each) until `enough` says so of those read, or
+/// `within` passes. Tags are not checked: the peer reads these records.
+fn records_until(
+    s: &mut TcpStream,
+    enough: impl Fn(&[Vec<[u64; 5]>]) -> bool,
+    within: Duration,
+) -> Vec<Vec<[u64; 5]>> {
+    let word = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+    s.set_read_timeout(Some(Duration::from_millis(5))).unwrap();
+    let (mut buf, mut records) = (Vec::new(), Vec::new());
+    let until = Instant::now() + within;
+    while !enough(&records) && Instant::now() < until {
+        let mut b = [0u8; 4096];
+        match s.read(&mut b) {
+            Ok(0) => break,
+            Ok(n) => buf.extend_from_slice(&b[..n]),
+            Err(_) => continue,
+        }
+        while buf.len() >= 8 {
+            let frames = word(&buf, 0) as usize;
+            let len = 8 + frames * 40 + 16;
+            if buf.len() < len {
+                break;
+            }
+            records.push(
+                (0..frames)
+                    .map(|f| std::array::from_fn(|w| word(&buf, 8 + f * 40 + w * 8)))
+                    .collect(),
+            );
+            buf.drain(..len);
+        }
+    }
+    records
+}
+
+/// The values of the checked counters of the peer's receives among `records`.
+fn recvs_checked(records: &[Vec<[u64; 5]>]) -> Vec<u64> {
+    records
+        .iter()
+        .flatten()
+        .filter(|f| f[..2] == [2, 1])
+        .map(|f| f[2])
+        .collect()
+}
+
+#[test]
+fn a_stream_of_verifications_sends_one_record_each_and_a_counter_each_half_ring() {
+    let n = crate::nccl::verify::mailbox::RING;
+    let (a, mut peer) = raw_peer(move |k| {
+        (0..n)
+            .flat_map(|i| record_for_test(&k.send, i, &[publish(i)]))
+            .collect()
+    });
+    for _ in 0..n {
+        verify(&[ops(&a, &[4], &[], 2 * SECOND)], &[]).unwrap();
+    }
+    let records = records_until(&mut peer, |r| recvs_checked(r).last() == Some(&n), 2 * SECOND);
+    let publishes = records.iter().flatten().filter(|f| f[0] == 1).count() as u64;
+    assert_eq!(publishes, n, "{records:?}");
+    assert!(
+        records.len() as u64 <= n + 2,
+        "about one record a verification: {records:?}"
+    );
+    // Half a ring and a whole one (each with the entry of the verification that made it due);
+    // the receiver thread may send one between verifications.
+    let counters = recvs_checked(&records);
+    assert!(counters.len() <= 4, "{counters:?}");
+    assert_eq!(
+        counters.last(),
+        Some(&n),
+        "the last counter is due and sent: {records:?}"
+    );
+    eprintln!(
+        "channel: {n} verified sends took {} records, counters {counters:?}",
+        records.len()
+    );
+}
+
+#[test]
+fn a_counter_held_back_reaches_the_peer_from_the_receiver_thread() {
+    let (a, mut peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0)]));
+    verify(&[ops(&a, &[4], &[], 2 * SECOND)], &[]).unwrap();
+    let t = Instant::now();
+    let records = records_until(&mut peer, |r| recvs_checked(r) == [1], 2 * SECOND);
+    assert_eq!(recvs_checked(&records), [1], "{records:?}");
+    eprintln!("channel: a held counter reached the peer {:?} after", t.elapsed());
+}
+
+#[test]
+fn a_verification_that_waits_sends_the_counters_it_holds() {
+    let (a, mut peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0)]));
+    // The send is checked at once (its counter held back), the receive never matched: the
+    // verification waits, its link corked throughout (the receiver thread sends nothing),
+    // until its timeout.
+    let waiting = std::thread::spawn(move || verify(&[ops(&a, &[4], &[4], 2 * SECOND)], &[]));
+    let records = records_until(&mut peer, |r| !recvs_checked(r).is_empty(), SECOND);
+    assert!(
+        !waiting.is_finished(),
+        "the verification ended before its timeout"
+    );
+    assert_eq!(recvs_checked(&records), [1], "{records:?}");
+    assert!(matches!(waiting.join().unwrap(), Err(Failure::Timeout { .. })));
+}

@@ -343,9 +343,8 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
             if pair_finished(p, d) {
                 continue;
             }
-            let what = pending(p, d);
             if p.local {
-                return Err(Failure::Missing(what));
+                return Err(Failure::Missing(pending(p, d)));
             }
             if p.boxes.regions[p.peer].status() == BROKEN {
                 // What the peer published before it broke is visible now (its status is read
@@ -358,7 +357,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
                 return Err(Failure::Timeout {
                     peer: p.peer,
                     waited,
-                    what,
+                    what: pending(p, d),
                 });
             }
         }
@@ -368,7 +367,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
             }
             let me = c.boxes.rank;
             let behind = (0..c.boxes.regions.len()).find(|&r| r != me && d.checked[r] < c.ops.len());
-            let what = match behind {
+            let what = || match behind {
                 Some(r) => format!(
                     "rank {r} has not posted the counterpart of rank {me}'s collective #{}",
                     c.boxes.colls.borrow().1[r] + 1
@@ -376,7 +375,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
                 None => "the other ranks have not yet checked this rank's earlier collectives".into(),
             };
             if c.local {
-                return Err(Failure::Missing(what));
+                return Err(Failure::Missing(what()));
             }
             let broken =
                 (0..c.boxes.regions.len()).find(|&r| r != me && c.boxes.regions[r].status() == BROKEN);
@@ -390,7 +389,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
                 return Err(Failure::Timeout {
                     peer: behind.unwrap_or(me),
                     waited,
-                    what,
+                    what: what(),
                 });
             }
         }
