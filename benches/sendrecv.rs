@@ -10,18 +10,31 @@
 //!   `--verify-channel tcp`, verification between them goes over its network channel
 //!   (loopback TCP), as between hosts (`HANDOFF_VERIFY_CHANNEL=tcp` for both ranks).
 //!
+//! `--memory pool|nccl|registered|window` chooses the buffers' kind, for every way: the pool
+//! (default), `ncclMemAlloc` memory, that memory registered with the communicator each way's
+//! calls use, or symmetric windows of it (handoff through its API, raw NCCL registered raw: see
+//! `benches/memory`). Each way (verified, unverified, raw) has its own send and receive buffers,
+//! made and registered in the same order on every rank (windows are collective), and
+//! deregistered at the end. In `--mode self` NCCL 2.28.3 takes no registered path for a send to
+//! oneself (`addP2pToPlan` in `src/enqueue.cc` registers only `&& !selfSend`), so there the
+//! columns measure `ncclMemAlloc` memory alone; `--mode procs` is where they mean something.
+//! Windows need ranks of one thread each: `--mode self` or `procs`, not `inproc`.
+//!
 //! For each size, after `--warmup` untimed iterations, `--repeats` timed runs of `--iters`
 //! iterations each of each way, rotating verified, unverified and raw; each run is timed with CUDA events on the
 //! receiving stream, and the median run is reported. The received data is checked once per
-//! size, outside the timed loops. A host-overhead figure (CPU time to enqueue one send+receive,
+//! size for every way (one transfer of that way, into its cleared receive buffer), outside the
+//! timed loops. A host-overhead figure (CPU time to enqueue one send+receive,
 //! for each way, at small sizes) follows the table.
 //!
 //! Output: a table shaped like nccl-tests' (size, count, type, time, algbw, busbw; for
 //! point-to-point busbw = algbw) with raw figures and the ratio handoff/raw; the same rows as
 //! CSV (`--csv`, default `sendrecv.csv`); a plot of bandwidth and latency against size
-//! (`--svg`, default `sendrecv.svg`).
+//! (`--svg`, default `sendrecv.svg`); for a `--memory` other than pool, both names get
+//! `-MEMORY` before their extension (`sendrecv-window.csv`).
 
 mod harness;
+mod memory;
 
 use std::time::{Duration, Instant};
 
@@ -29,6 +42,7 @@ use clap::{Parser, ValueEnum};
 use handoff::result::nccl as raw_nccl;
 use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Event, Launch, NcclType, Stream, group};
 use harness::{Role, Way};
+use memory::{Held, Memory};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum Mode {
@@ -48,6 +62,9 @@ enum Mode {
 struct Opts {
     #[arg(long, value_enum, default_value = "self")]
     mode: Mode,
+    /// The buffers' kind, for every way.
+    #[arg(long, value_enum, default_value = "pool")]
+    memory: Memory,
     #[command(flatten)]
     sweep: harness::Sweep,
     #[arg(long, default_value = "f32", value_parser = ["f32", "f64", "f16", "bf16", "i32", "u8"])]
@@ -88,6 +105,13 @@ fn opts() -> Result<Opts, String> {
     }
     if o.mode != Mode::SelfRank && o.devices.len() < 2 {
         return Err("--devices needs two devices for inproc and procs".into());
+    }
+    if o.memory == Memory::Window && o.mode == Mode::InProc {
+        return Err(
+            "--memory window needs --mode self or procs: handoff makes windows only on ranks \
+             of one thread each, and refuses them on the two ranks of one init_all (--mode inproc)"
+                .into(),
+        );
     }
     if o.verify_channel.is_some() && o.mode != Mode::Procs {
         return Err("--verify-channel needs --mode procs (two processes)".into());
@@ -216,9 +240,14 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
     }
 }
 
-struct Bufs<T: NcclType> {
-    x: Option<DeviceBuffer<T>>,
-    y: Option<DeviceBuffer<T>>,
+/// One way's buffers before it holds them: (x, y), as in [`Bufs`].
+type Owned<T> = (Option<DeviceBuffer<T>>, Option<DeviceBuffer<T>>);
+
+/// One way's buffers as it holds them: the sender's `x`, the receiver's `y` (each `None` on the
+/// rank of procs mode that does not use it).
+struct Bufs<'c, 'b, T: NcclType> {
+    x: Option<Held<'c, 'b, T>>,
+    y: Option<Held<'c, 'b, T>>,
 }
 
 impl Setup {
@@ -245,18 +274,22 @@ impl Setup {
         let (send_peer, recv_peer) = (self.receiver().rank(), self.sender().rank());
         let (sender, receiver) = (&self.comms(verified)[self.send], &self.comms(verified)[self.recv]);
         match self.role {
-            Role::Sender => sender.send(b.x.as_ref().unwrap().slice(0..count)?, 1, &self.send_s),
-            Role::Receiver => receiver.recv(b.y.as_mut().unwrap().slice_mut(0..count)?, 0, &self.recv_s),
+            Role::Sender => sender.send(b.x.as_ref().unwrap().view().slice(0..count)?, 1, &self.send_s),
+            Role::Receiver => receiver.recv(
+                b.y.as_mut().unwrap().view_mut().into_slice_mut(0..count)?,
+                0,
+                &self.recv_s,
+            ),
             Role::Both => group(|g| {
                 g.send(
                     sender,
-                    b.x.as_ref().unwrap().slice(0..count)?,
+                    b.x.as_ref().unwrap().view().slice(0..count)?,
                     send_peer,
                     &self.send_s,
                 )?;
                 g.recv(
                     receiver,
-                    b.y.as_mut().unwrap().slice_mut(0..count)?,
+                    b.y.as_mut().unwrap().view_mut().into_slice_mut(0..count)?,
                     recv_peer,
                     &self.recv_s,
                 )
@@ -283,7 +316,7 @@ impl Setup {
                     }
                 }
                 let rc = nccl.ncclSend(
-                    b.x.as_ref().unwrap().as_raw_ptr().cast(),
+                    b.x.as_ref().unwrap().view().as_raw_ptr().cast(),
                     count,
                     T::DATATYPE,
                     if self.role == Role::Sender { 1 } else { send_peer },
@@ -297,7 +330,7 @@ impl Setup {
             }
             if self.role.receives() {
                 let rc = nccl.ncclRecv(
-                    b.y.as_mut().unwrap().as_raw_mut_ptr().cast(),
+                    b.y.as_mut().unwrap().view_mut().as_raw_mut_ptr().cast(),
                     count,
                     T::DATATYPE,
                     if self.role == Role::Receiver { 0 } else { recv_peer },
@@ -351,21 +384,51 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
     let size = std::mem::size_of::<T>();
     let max_count = o.sweep.max_bytes / size;
     let host_x = pattern::<T>(max_count);
-    let mut b = Bufs::<T> {
-        x: s.role
-            .sends()
-            .then(|| DeviceBuffer::from_slice(&host_x, &s.send_s))
-            .transpose()?,
-        y: s.role
-            .receives()
-            .then(|| DeviceBuffer::zeros(max_count, &s.recv_s))
-            .transpose()?,
-    };
+    // Each way's own buffers, made in `Way::ALL` order: in procs mode each rank makes one per
+    // way (the sender x, the receiver y), of one size, so the k-th window is the k-th on both.
+    let mut store: Vec<Owned<T>> = Way::ALL
+        .iter()
+        .map(|_| {
+            Ok((
+                s.role
+                    .sends()
+                    .then(|| o.memory.alloc(&s.send_s, &host_x))
+                    .transpose()?,
+                s.role
+                    .receives()
+                    .then(|| o.memory.zeros(max_count, &s.recv_s))
+                    .transpose()?,
+            ))
+        })
+        .collect::<handoff::Result<_>>()?;
+    // Registered (or made windows) with the communicator each way's calls use, in the same
+    // order on every rank: for each way, x then y.
+    let mut ways: Vec<Bufs<T>> = Vec::new();
+    for (way, (x, y)) in Way::ALL.iter().zip(store.iter_mut()) {
+        let comms = s.comms(*way != Way::Unverified);
+        let raw_way = *way == Way::Raw;
+        ways.push(Bufs {
+            x: x.as_mut()
+                .map(|x| o.memory.hold(x, &comms[s.send], raw_way))
+                .transpose()?,
+            y: y.as_mut()
+                .map(|y| o.memory.hold(y, &comms[s.recv], raw_way))
+                .transpose()?,
+        });
+    }
     let reports = s.role.receives();
     let dev = s.timing_stream().device().clone();
     let (start, end) = (Event::new(&dev)?, Event::new(&dev)?);
     if reports {
-        println!("# handoff send/recv benchmark: {}", s.label);
+        let memory = match (o.mode, o.memory) {
+            (Mode::SelfRank, Memory::Registered | Memory::Window) => format!(
+                "{} (but NCCL takes no registered path for a send to oneself: ncclMemAlloc memory \
+                 alone is measured)",
+                o.memory.describe()
+            ),
+            (_, m) => m.describe().to_string(),
+        };
+        println!("# handoff send/recv benchmark: {}, {memory}", s.label);
         println!(
             "# dtype {} | iters {} | warmup {} | repeats {} (median reported) | rotating verified, unverified and raw | {} communicator",
             o.dtype,
@@ -388,7 +451,7 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
                 }
             }
             for _ in 0..n {
-                s.call(way, &mut b, count)?;
+                s.call(way, &mut ways[way as usize], count)?;
             }
             if !timed {
                 return Ok(0.0);
@@ -397,20 +460,23 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
             end.synchronize()?;
             Ok(f64::from(start.elapsed_ms(&end)?) * 1000.0)
         })?;
-        // Check the data once per size, outside the timed loops: clear y, one safe transfer.
-        if let Some(y) = b.y.as_mut() {
-            y.memset_zero(&s.recv_s)?;
-        }
-        s.safe(&mut b, count, true)?;
-        if let Some(y) = b.y.as_ref() {
-            let got = y.to_vec(&s.recv_s)?;
-            if got[..count] != host_x[..count] {
-                return Err(handoff::Error::InvalidArgument(format!(
-                    "received data wrong at {bytes} B"
-                )));
+        // Check each way's data once per size, outside the timed loops: clear its y, one
+        // transfer of that way, read y back (raw calls are ordered by the streams alone).
+        for (way, b) in Way::ALL.iter().zip(ways.iter_mut()) {
+            if let Some(y) = b.y.as_mut() {
+                y.view_mut().memset_zero(&s.recv_s)?;
             }
+            s.call(*way, b, count)?;
+            if let Some(y) = b.y.as_ref() {
+                let got = y.view().slice(..count)?.to_vec(&s.recv_s)?;
+                if got != host_x[..count] {
+                    return Err(handoff::Error::InvalidArgument(format!(
+                        "received data wrong at {bytes} B, {way:?}"
+                    )));
+                }
+            }
+            s.send_s.synchronize()?;
         }
-        s.send_s.synchronize()?;
         let row = harness::Row { bytes, count, us };
         if reports {
             // Point to point: bus bandwidth is algorithm bandwidth (factor 1).
@@ -418,7 +484,7 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
         }
         rows.push(row);
     }
-    let overhead = host_overhead(o, &s, &mut b)?;
+    let overhead = host_overhead(o, &s, &mut ways)?;
     if reports && s.role == Role::Both {
         call_costs(&s)?;
     }
@@ -438,16 +504,24 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
         } else {
             "send_recv"
         };
-        std::fs::write(&o.csv, harness::csv(op, &o.dtype, &rows, 1.0))
-            .map_err(|e| handoff::Error::InvalidArgument(format!("writing {}: {e}", o.csv)))?;
-        let title = format!("handoff send/recv, {}, {}", o.dtype, s.label);
-        harness::plot(&o.svg, &title, &rows, 1.0)
-            .map_err(|e| handoff::Error::InvalidArgument(format!("writing {}: {e}", o.svg)))?;
-        println!("# wrote {} and {}", o.csv, o.svg);
+        let (csv, svg) = (o.memory.file(&o.csv), o.memory.file(&o.svg));
+        std::fs::write(&csv, harness::csv(op, &o.dtype, &rows, 1.0))
+            .map_err(|e| handoff::Error::InvalidArgument(format!("writing {csv}: {e}")))?;
+        let title = format!(
+            "handoff send/recv, {}, {}, {}",
+            o.dtype,
+            s.label,
+            o.memory.describe()
+        );
+        harness::plot(&svg, &title, &rows, 1.0)
+            .map_err(|e| handoff::Error::InvalidArgument(format!("writing {svg}: {e}")))?;
+        println!("# wrote {csv} and {svg}");
     }
     s.send_s.synchronize()?;
     s.recv_s.synchronize()?;
-    drop(b);
+    // Registrations and windows end before their buffers and communicators.
+    drop(ways);
+    drop(store);
     for c in s.comms.into_iter().chain(s.unverified) {
         c.finalize()?;
     }
@@ -457,7 +531,11 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
 /// CPU time to enqueue one send+receive (one element), each way: batches of 100 calls,
 /// the GPU waited for between batches, outside the timing. Median of the batches. Not in procs
 /// mode, where each process enqueues only half of the pair.
-fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::Result<Option<[f64; 4]>> {
+fn host_overhead<T: NcclType>(
+    o: &Opts,
+    s: &Setup,
+    ways: &mut [Bufs<T>],
+) -> handoff::Result<Option<[f64; 4]>> {
     if s.role != Role::Both || o.overhead_calls == 0 {
         return Ok(None);
     }
@@ -472,9 +550,9 @@ fn host_overhead<T: NcclType>(o: &Opts, s: &Setup, b: &mut Bufs<T>) -> handoff::
         let t = Instant::now();
         for _ in 0..BATCH {
             match Way::ALL.get(i) {
-                Some(&way) => s.call(way, b, 1)?,
+                Some(&way) => s.call(way, &mut ways[way as usize], 1)?,
                 None => {
-                    s.call(Way::Raw, b, 1)?;
+                    s.call(Way::Raw, &mut ways[Way::Raw as usize], 1)?;
                     // SAFETY: `ev` is live, of the sending stream's device.
                     unsafe { handoff::result::cudart::event_record(ev, s.send_s.as_raw()) }?;
                 }

@@ -72,6 +72,18 @@ if ! skip bench && [ -x .device/benches/sendrecv ]; then
       ${HANDOFF_BENCH_ARGS:-} 2>&1 | tee -a "$log"
     [ "${PIPESTATUS[0]}" = 0 ] || failed+=("bench sendrecv --mode $m")
   done
+  # Over ncclMemAlloc memory registered with the communicator: one rank measures only the
+  # memory (NCCL registers no send to oneself); two processes take NCCL's registered path.
+  for m in $modes; do
+    [ "$m" = inproc ] && continue
+    say "== bench sendrecv --mode $m --memory registered (NCCL_DEBUG=INFO REG: sendrecv-$m-registered-nccl.log)"
+    # shellcheck disable=SC2086
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,REG .device/benches/sendrecv --mode "$m" --memory registered \
+      --csv "$bench/sendrecv-$m.csv" --svg "$bench/sendrecv-$m.svg" ${HANDOFF_BENCH_ARGS:-} >"$bench/sendrecv-$m-registered-nccl.log" 2>&1
+    [ $? = 0 ] || failed+=("bench sendrecv --mode $m --memory registered")
+    grep -v 'NCCL INFO' "$bench/sendrecv-$m-registered-nccl.log" | tee -a "$log"
+    grep -E 'NCCL INFO.*(IPC regist|IPC reuse|[Ww]indow|failed to IPC)' "$bench/sendrecv-$m-registered-nccl.log" | sort | uniq -c | sort -rn | head -8 | tee -a "$log"
+  done
   say "== bench sendrecv --mode self --nonblocking"
   # shellcheck disable=SC2086
   .device/benches/sendrecv --mode self --nonblocking --csv "$bench/sendrecv-self-nb.csv" \

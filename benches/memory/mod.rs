@@ -57,6 +57,39 @@ impl Memory {
         }
     }
 
+    /// `len` zeros in a new buffer of this kind.
+    ///
+    /// # Errors
+    /// As [`Memory::alloc`].
+    pub fn zeros<T: NcclType>(self, len: usize, stream: &Stream) -> handoff::Result<DeviceBuffer<T>> {
+        match self {
+            Memory::Pool => DeviceBuffer::zeros(len, stream),
+            _ => DeviceBuffer::zeros_nccl(len, stream),
+        }
+    }
+
+    /// `path` for this kind's run: as given for the pool, `-MEMORY` inserted before its
+    /// extension (or at its end) for the others, so that runs over each kind keep their own
+    /// files.
+    pub fn file(self, path: &str) -> String {
+        if self == Memory::Pool {
+            return path.to_string();
+        }
+        let kind = format!("{self:?}").to_lowercase();
+        let p = std::path::Path::new(path);
+        match (p.file_stem(), p.extension()) {
+            (Some(stem), Some(ext)) => p
+                .with_file_name(format!(
+                    "{}-{kind}.{}",
+                    stem.to_string_lossy(),
+                    ext.to_string_lossy()
+                ))
+                .to_string_lossy()
+                .into_owned(),
+            _ => format!("{path}-{kind}"),
+        }
+    }
+
     /// `buf` as the way that calls NCCL on `comm` uses it: through handoff (`raw_way` false), or
     /// by raw calls on `comm.as_raw()`.
     ///
