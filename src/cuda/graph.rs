@@ -120,7 +120,18 @@ use crate::sys::cudart::cudaGraphExec_t;
 /// ```
 ///
 /// See the [module documentation](self) for what keeps replays safe. `Send`, not `Sync` (a
-/// graph with NCCL operations owns its communicator, which is not `Sync`).
+/// graph with NCCL operations owns its communicator, which is not `Sync`, and counts its
+/// replays in plain cells):
+///
+/// ```
+/// fn send<T: Send>() {}
+/// send::<handoff::Graph>();
+/// ```
+///
+/// ```compile_fail,E0277
+/// fn share<T: Sync>() {}
+/// share::<handoff::Graph>();
+/// ```
 pub struct Graph {
     /// The only holder of the executable graph: dropped first (fields drop in order), before
     /// the communicator, whose drop waits for an abort that waits for this graph to be gone.

@@ -45,6 +45,8 @@ pub(crate) struct DeviceInner {
     /// its handle here instead of calling `cudaStreamDestroy`, which blocks until the stream's
     /// queued work has finished (CUDA 13.0, driver 580), whatever its documentation says.
     streams: Mutex<Vec<cudaStream_t>>,
+    /// The compute capability (major, minor), asked once (what NCCL's fp8 rules depend on).
+    compute: OnceCell<(i32, i32)>,
 }
 
 // SAFETY: the raw handles are CUDA objects that the runtime lets any host thread use; the event
@@ -191,6 +193,7 @@ impl Device {
                 lifecycle,
                 events: Mutex::new(VecDeque::new()),
                 streams: Mutex::new(Vec::new()),
+                compute: OnceCell::new(),
             }),
         })
     }
@@ -204,6 +207,7 @@ impl Device {
                 lifecycle: std::ptr::null_mut(),
                 events: Mutex::new(VecDeque::new()),
                 streams: Mutex::new(Vec::new()),
+                compute: OnceCell::new(),
             }),
         }
     }
@@ -223,6 +227,24 @@ impl Device {
 
     pub(crate) fn same(&self, other: &Device) -> bool {
         self.inner.ordinal == other.inner.ordinal
+    }
+
+    /// The compute capability (major, minor), asked of CUDA once per device.
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub(crate) fn compute_capability(&self) -> Result<(i32, i32)> {
+        use crate::sys::cudart::cudaDeviceAttr as A;
+        self.inner
+            .compute
+            .get_or_try_init(|| {
+                let ordinal = self.inner.ordinal;
+                Ok((
+                    cu::device_attribute(A::cudaDevAttrComputeCapabilityMajor, ordinal)?,
+                    cu::device_attribute(A::cudaDevAttrComputeCapabilityMinor, ordinal)?,
+                ))
+            })
+            .copied()
     }
 
     /// A non-blocking stream, parked or new.

@@ -110,20 +110,12 @@ pub(crate) fn check_use(comm: &Communicator, dtype: ncclDataType_t, how: Use) ->
     }
     let (version, path) = loader::nccl_version_code()?;
     let mut asked: Result<()> = Ok(());
-    let compute = || {
-        let ordinal = comm.device().ordinal() as i32;
-        let attr = |a| crate::result::cudart::device_attribute(a, ordinal);
-        use crate::sys::cudart::cudaDeviceAttr as A;
-        match (
-            attr(A::cudaDevAttrComputeCapabilityMajor),
-            attr(A::cudaDevAttrComputeCapabilityMinor),
-        ) {
-            (Ok(major), Ok(minor)) => (major, minor),
-            (Err(e), _) | (_, Err(e)) => {
-                asked = Err(e);
-                // Refused below with the CUDA error, not with this made-up capability.
-                (0, 0)
-            }
+    let compute = || match comm.device().compute_capability() {
+        Ok(c) => c,
+        Err(e) => {
+            asked = Err(e);
+            // Refused below with the CUDA error, not with this made-up capability.
+            (0, 0)
         }
     };
     let r = refusal(dtype, how, version, compute, comm.world_size());
