@@ -170,19 +170,7 @@ fn child_old_nccl(s: &Stubs) -> Result<(), String> {
 }
 
 fn old_nccl(cudart: &Path, nccl: &Path) -> Result<(), Failed> {
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .env(CHILD, "1")
-        .env("HANDOFF_CUDART_PATH", cudart)
-        .env("HANDOFF_NCCL_PATH", nccl)
-        .output()?;
-    if !out.status.success() {
-        return Err(format!(
-            "the child failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )
-        .into());
-    }
-    Ok(())
+    stubs::run_child(CHILD, cudart, nccl).map_err(Failed::from)
 }
 
 fn open(nccl: &Path) -> &'static Stubs {

@@ -323,19 +323,7 @@ fn child_without_the_functions() -> Result<(), String> {
 }
 
 fn without_the_functions(cudart: &Path, plain: &Path) -> Result<(), Failed> {
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .env(CHILD, "1")
-        .env("HANDOFF_CUDART_PATH", cudart)
-        .env("HANDOFF_NCCL_PATH", plain)
-        .output()?;
-    if !out.status.success() {
-        return Err(format!(
-            "the child failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )
-        .into());
-    }
-    Ok(())
+    stubs::run_child(CHILD, cudart, plain).map_err(Failed::from)
 }
 
 fn main() {

@@ -46,3 +46,25 @@ pub fn build(dir: &Path, c: &str, so: &str) -> Result<PathBuf, NoStubs> {
     }
     Ok(target)
 }
+
+/// Runs this test binary again as a child process with the stub libraries `cudart` and `nccl`
+/// and `role` set in its environment (the child's `main` looks for it), and fails with its
+/// standard error unless it succeeds: for a run whose libraries must differ from the parent's
+/// (the crate opens its libraries once per process).
+#[allow(dead_code)] // Not every test binary that builds stubs runs a child.
+pub fn run_child(role: &str, cudart: &Path, nccl: &Path) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let out = std::process::Command::new(exe)
+        .env(role, "1")
+        .env("HANDOFF_CUDART_PATH", cudart)
+        .env("HANDOFF_NCCL_PATH", nccl)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!(
+            "the child failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
