@@ -58,11 +58,11 @@
 //!   `HostBuffer::zeros(len, &device)`, `Communicator::new(world, rank, &id, &device)`,
 //!   `Communicator::init_all_with(options, &devices)`. A stream's own methods (`record`, `wait`,
 //!   `raw_use`, `launch_builder`, `synchronize`) have it as their receiver.
-//! - **A method writes its receiver.** `y.copy_from(&x, &stream)`, `y.fill(v, &stream)`,
-//!   `host.copy_from_device(&x, &stream)`, `x.copy_from_host(&host, &stream)`. A call over
-//!   several buffers takes its inputs before its outputs, as NCCL takes `sendbuff` before
-//!   `recvbuff`: `kernels::twice(&x, &mut y, &stream)`,
-//!   `comm.all_reduce(&x, &mut y, op, &stream)`.
+//! - **A buffer's method writes that buffer.** `y.copy_from(&x, &stream)`,
+//!   `y.fill(v, &stream)`, `host.copy_from_device(&x, &stream)`, `x.copy_from_host(&host,
+//!   &stream)`. A call over several buffers (a free function, a communicator's method) takes its
+//!   inputs before its outputs, as NCCL takes `sendbuff` before `recvbuff`:
+//!   `kernels::twice(&x, &mut y, &stream)`, `comm.all_reduce(&x, &mut y, op, &stream)`.
 //! - **Views wherever a buffer goes.** Every operation takes `impl Into<View>` for what it reads
 //!   and `impl Into<ViewMut>` for what it writes: `&x` and `&mut y` for whole buffers, or views
 //!   (`x.slice(..n)?`, `y.slice_mut(..)?`, the halves of `y.split_at_mut(mid)?`). Only a

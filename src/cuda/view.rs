@@ -12,8 +12,8 @@
 //! of the buffer by safe code while it lives, except through the other half of a split.
 //!
 //! Every operation that takes a device buffer takes `impl Into<View>` (read) or
-//! `impl Into<ViewMut>` (written): a `&DeviceBuffer` / `&mut DeviceBuffer`, a view, or a
-//! reference to one. So halves from [`DeviceBuffer::split_at_mut`] and slices go wherever a
+//! `impl Into<ViewMut>` (written): a `&DeviceBuffer` / `&mut DeviceBuffer` (either is read), a
+//! view, or a reference to one (a `ViewMut` given by value is read as `&mut [T]` is). So halves from [`DeviceBuffer::split_at_mut`] and slices go wherever a
 //! buffer goes (a registration borrows a whole buffer, as NCCL registers whole allocations):
 //!
 //! ```no_run
@@ -25,6 +25,7 @@
 //! let s = Stream::new(&dev)?;
 //! let comm = Communicator::init_all(std::slice::from_ref(&dev))?.remove(0);
 //! let other = DeviceBuffer::<f32>::from_slice(&[1.0; 4], &s)?;
+//! let mut other2 = DeviceBuffer::<f32>::from_slice(&[1.0; 4], &s)?;
 //! let mut host = HostBuffer::<f32>::zeros(4, &dev)?;
 //! let mut buf = DeviceBuffer::<f32>::zeros(8, &s)?;
 //! let (mut lo, mut hi) = buf.split_at_mut(4)?;
@@ -39,6 +40,7 @@
 //! hi.fill(1.0, &s)?;
 //! lo.copy_from_slice(&[0.0; 4], &s)?;
 //! host.copy_from_device(&hi, &s)?;
+//! host.copy_from_device(hi.reborrow(), &s)?; // a ViewMut read
 //! lo.copy_from_host(&host, &s)?;
 //! group(|g| {
 //!     g.send(&comm, &lo, 0, &s)?;
@@ -49,6 +51,8 @@
 //! comm.broadcast(&mut hi, 0, &s)?;
 //! let back: Vec<f32> = lo.to_vec(&s)?;
 //! # drop(back);
+//! let mut y2 = DeviceBuffer::<f32>::zeros(4, &s)?;
+//! kernels::twice(&mut other2, &mut y2, &s)?; // a buffer borrowed exclusively, read
 //! # Ok(())
 //! # }
 //! ```
@@ -665,6 +669,22 @@ impl<'a, T: Pod> From<&'a View<'_, T>> for View<'a, T> {
 impl<'a, T: Pod> From<&'a ViewMut<'_, T>> for View<'a, T> {
     fn from(v: &'a ViewMut<'_, T>) -> Self {
         v.as_view()
+    }
+}
+
+/// A writable view given up to be read, as `&mut [T]` coerces to `&[T]`.
+impl<'a, T: Pod> From<ViewMut<'a, T>> for View<'a, T> {
+    fn from(v: ViewMut<'a, T>) -> Self {
+        // SAFETY: the same elements, borrowed exclusively for 'a by `v`, which is consumed:
+        // shared for 'a now.
+        unsafe { View::from_raw(v.ptr, v.len, v.tracked) }
+    }
+}
+
+/// A buffer borrowed exclusively, read.
+impl<'a, T: Pod> From<&'a mut DeviceBuffer<T>> for View<'a, T> {
+    fn from(b: &'a mut DeviceBuffer<T>) -> Self {
+        (&*b).into()
     }
 }
 

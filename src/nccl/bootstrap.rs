@@ -264,7 +264,8 @@ impl Launch {
 
     /// Shares a unique id among the launch's ranks: rank 0 makes it and serves it in the
     /// background until every other rank has fetched it or `timeout` passes; the others fetch
-    /// it within `timeout`. With one rank, nothing is served.
+    /// it within `timeout`. With one rank, nothing is served. Rank 0 keeps the returned server
+    /// until its communicator is made (dropping it stops serving), then waits for it.
     ///
     /// # Errors
     /// [`Error::Bootstrap`] (port in use, unreachable address, a peer speaking another

@@ -27,8 +27,11 @@ const POLL: Duration = Duration::from_millis(5);
 pub(super) const MAX_WORLD: usize = i32::MAX as usize;
 
 /// Rank 0's server of the unique id, running on a background thread until every other rank has
-/// fetched the id or its deadline passes. Dropping it stops it.
+/// fetched the id or its deadline passes. Dropping it stops it: keep it until the communicator
+/// is made, then [`IdServer::wait`] for it.
 #[derive(Debug)]
+#[must_use = "dropping the server stops it before the other ranks fetch the id: keep it until \
+              the communicator is made, then wait for it"]
 pub struct IdServer {
     addr: String,
     thread: Option<JoinHandle<Result<()>>>,
