@@ -74,12 +74,17 @@
 //!   `libnccl.so.2`), so the crate builds on machines without them.
 //! - [`result`]: one checked function per runtime call; status codes become [`Error`]s. Functions
 //!   whose misuse could break a guarantee below are `unsafe`.
-//! - The engine (private): the one path by which tracked work is queued, over the use-tracking
-//!   rules (a plain data structure).
-//! - The CUDA side: [`Device`], [`Stream`], [`Event`], [`DeviceBuffer`] and its [`view`](cuda::view)s,
-//!   [`module`](cuda::module) (users' own kernels, launched with tracking; [`Stream::raw_use`] for raw work),
-//!   [`kernels`]; the NCCL side, [`nccl`]: [`Communicator`], [`group`], collectives,
-//!   verification, the watchdog; [`bootstrap`](nccl::bootstrap).
+//! - The engine (private, `src/engine/`): the one path by which tracked work is queued, over
+//!   the use-tracking rules (a plain data structure), and the state of devices and streams.
+//! - The CUDA half, [`cuda`]: [`Device`], [`Stream`], [`Event`], [`DeviceBuffer`] and its
+//!   [`view`](cuda::view)s, pinned [`HostBuffer`]s, [`module`](cuda::module) (users' own
+//!   kernels, launched with tracking; [`Stream::raw_use`] for raw work), [`Graph`] (capture and
+//!   tracked replay).
+//! - The NCCL half, [`nccl`]: [`Communicator`], [`group`], collectives, registered memory and
+//!   windows, verification, the watchdog; [`bootstrap`](nccl::bootstrap) (the unique id among
+//!   the ranks, [`Launch`]).
+//! - On top: [`kernels`] (the article's kernels A and B), `interop` (cudarc, feature `cudarc`).
+//!   ARCHITECTURE.md draws the layers and how a send travels through them.
 //!
 //! # Threads
 //! [`Stream`], [`Event`], [`Device`] and [`DeviceBuffer`] are `Send` and `Sync`: the CUDA
