@@ -88,6 +88,8 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use crate::engine::device::{Device, Origin, PooledEvent};
 use crate::engine::stream::Stream;
 use crate::engine::tracking::{Access, StreamId};
@@ -412,7 +414,7 @@ impl Graph {
         // graph's stream was on the graph's device.
         stream.check_device(&self.device, "the graph")?;
         let exec = self.exec.0;
-        let uses: engine::Few<TrackedUse<'_>, 8> = self
+        let uses: SmallVec<[TrackedUse<'_>; 8]> = self
             .uses
             .iter()
             .map(|(t, a)| TrackedUse::on(stream, t, *a))

@@ -41,11 +41,13 @@ use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 
+use smallvec::SmallVec;
+
 use crate::cuda::buffer::DeviceBuffer;
 use crate::cuda::view::{View, ViewMut};
+use crate::engine::Tracked;
 use crate::engine::stream::Stream;
 use crate::engine::tracking::Access;
-use crate::engine::{Few, Tracked};
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
 use crate::sys::cudart::{cudaKernel_t, cudaLibrary_t};
@@ -339,10 +341,10 @@ pub struct LaunchBuilder<'a> {
     function: &'a Function,
     /// Every argument's bytes, each from an 8-byte word of its own (so that each is aligned
     /// for its type), inline for the usual few arguments.
-    words: Few<u64, 16>,
+    words: SmallVec<[u64; 16]>,
     /// Where each argument starts in `words`.
-    starts: Few<usize, 8>,
-    uses: Few<(&'a Tracked, Access), 8>,
+    starts: SmallVec<[usize; 8]>,
+    uses: SmallVec<[(&'a Tracked, Access); 8]>,
     problem: Option<Error>,
 }
 
@@ -372,9 +374,9 @@ impl<'a> LaunchBuilder<'a> {
         LaunchBuilder {
             stream,
             function,
-            words: Few::Empty,
-            starts: Few::Empty,
-            uses: Few::Empty,
+            words: SmallVec::new(),
+            starts: SmallVec::new(),
+            uses: SmallVec::new(),
             problem: None,
         }
     }
@@ -444,7 +446,7 @@ impl<'a> LaunchBuilder<'a> {
         config.check(&self.function.name, max_threads, max_shared)?;
         // Every pointer from one base, so that none is invalidated by taking another.
         let base = self.words.as_mut_slice().as_mut_ptr();
-        let mut args: Few<*mut c_void, 8> = self
+        let mut args: SmallVec<[*mut c_void; 8]> = self
             .starts
             .iter()
             .map(|&i| base.wrapping_add(i).cast::<c_void>())

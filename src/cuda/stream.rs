@@ -7,6 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytemuck::Pod;
 
+use smallvec::SmallVec;
+
 use crate::cuda::view::{View, ViewMut};
 use crate::engine::device::Device;
 use crate::engine::tracking::{Access, StreamId, record_and_store};
@@ -232,7 +234,7 @@ impl Stream {
         work: Work<'_>,
         op: impl FnOnce(cudaStream_t) -> Result<R>,
     ) -> Result<R> {
-        let uses: engine::Few<TrackedUse<'_>, 8> = uses
+        let uses: SmallVec<[TrackedUse<'_>; 8]> = uses
             .iter()
             .map(|&(tracked, access)| TrackedUse::on(self, tracked, access))
             .collect();

@@ -31,19 +31,19 @@
 
 pub(crate) mod capture;
 pub(crate) mod device;
-mod lists;
 pub(crate) mod stream;
 pub(crate) mod tracked;
 pub(crate) mod tracking;
 
 use std::sync::{Arc, MutexGuard};
 
+use smallvec::SmallVec;
+
 pub(crate) use crate::engine::capture::{
     CaptureState, Captured, CapturingHere, Fork, Keep, SPANNING, capture_error, capturing_here,
     not_capturable,
 };
 use crate::engine::device::{Device, PooledEvent};
-pub(crate) use crate::engine::lists::{Few, Slots};
 use crate::engine::stream::Stream;
 pub(crate) use crate::engine::tracked::Tracked;
 use crate::engine::tracking::{Access, Held, UseTracker, record_and_store};
@@ -117,7 +117,7 @@ pub(crate) fn check_devices(uses: &[TrackedUse<'_>]) -> Result<()> {
 /// What an NCCL group's streams ran before it: the group can start on the GPU only once these
 /// have completed (the stream's previous tracked work, and the uses it was made to wait for).
 /// The communicator's watchdog counts its deadline from there.
-pub(crate) type Before = Slots<Arc<PooledEvent>, 2>;
+pub(crate) type Before = SmallVec<[Arc<PooledEvent>; 2]>;
 
 /// What kind of work an [`enqueue`] queues.
 #[derive(Clone, Copy)]
@@ -197,7 +197,7 @@ fn enqueue_with<R>(
     // Each distinct stream once, in stream-id order, the order their locks are taken in, so
     // that threads queueing on overlapping streams cannot deadlock (few uses: linear scans).
     // Record streams are among them.
-    let mut streams: Few<&Stream, 4> = Few::Empty;
+    let mut streams: SmallVec<[&Stream; 4]> = SmallVec::new();
     for u in uses {
         if !streams.iter().any(|s| std::ptr::eq(*s, u.stream)) {
             streams.push(u.stream);
@@ -205,7 +205,7 @@ fn enqueue_with<R>(
     }
     streams.as_mut_slice().sort_unstable_by_key(|s| s.id());
     let index = |s: &Stream| streams.iter().position(|t| std::ptr::eq(*t, s)).expect("listed");
-    let mut held: Slots<Held<'_, StreamState>, 4> = Slots::default();
+    let mut held: SmallVec<[Held<'_, StreamState>; 4]> = SmallVec::new();
     for s in streams.iter() {
         held.push(s.order().hold());
     }
@@ -225,7 +225,7 @@ fn enqueue_with<R>(
         }
     }
     // Each distinct tracker once, locked in key order (a graph's are sorted already).
-    let mut trackers: Few<&Tracked, 8> = Few::Empty;
+    let mut trackers: SmallVec<[&Tracked; 8]> = SmallVec::new();
     for u in uses {
         if !trackers.iter().any(|t| Tracked::same(t, u.tracked)) {
             trackers.push(u.tracked);
@@ -234,7 +234,7 @@ fn enqueue_with<R>(
     if !trackers.is_sorted_by_key(|t| t.key()) {
         trackers.as_mut_slice().sort_unstable_by_key(|t| t.key());
     }
-    let mut locked: Slots<MutexGuard<'_, UseTracker<Arc<PooledEvent>>>, 8> = Slots::default();
+    let mut locked: SmallVec<[MutexGuard<'_, UseTracker<Arc<PooledEvent>>>; 8]> = SmallVec::new();
     for t in trackers.iter() {
         locked.push(t.lock());
     }
@@ -251,18 +251,20 @@ fn enqueue_with<R>(
         if replay.is_some() {
             return Err(not_capturable("launching a graph"));
         }
-        let state = held.get(0).and_then(|h| h.as_ref()).expect("capturing");
+        let state = held.first().and_then(|h| h.as_ref()).expect("capturing");
         return capture(uses, work, &streams, state, submit);
     }
     // Per record stream, what its uses' streams ran (and are made to wait for) before.
-    let mut before: Slots<Before, 4> = Slots::default();
+    let mut before: SmallVec<[Before; 4]> = SmallVec::new();
     if nccl {
         for _ in streams.iter() {
             before.push(Before::default());
         }
         for u in uses {
             let b = before.get_mut(index(u.record)).expect("one per stream");
-            b.extend(u.stream.last_recorded());
+            if let Some(e) = u.stream.last_recorded() {
+                b.push(e);
+            }
         }
     }
     // Waits and event records take their device from the stream, whatever the current device
@@ -282,7 +284,7 @@ fn enqueue_with<R>(
     // The events to record after the work, taken before it is submitted: an event that cannot
     // be made fails the operation before anything is queued.
     let is_record = |s: &Stream| uses.iter().any(|u| std::ptr::eq(u.record, s));
-    let mut events: Slots<Option<Arc<PooledEvent>>, 4> = Slots::default();
+    let mut events: SmallVec<[Option<Arc<PooledEvent>>; 4]> = SmallVec::new();
     for s in streams.iter() {
         let host_record = match replay {
             None => true,
@@ -393,7 +395,7 @@ fn enqueue_with<R>(
 fn exact_before(
     uses: &[TrackedUse<'_>],
     streams: &[&Stream],
-    before: &mut Slots<Before, 4>,
+    before: &mut SmallVec<[Before; 4]>,
     own: Option<&Arc<PooledEvent>>,
 ) -> Result<()> {
     let is_own = |e: &Arc<PooledEvent>| own.is_some_and(|o| Arc::ptr_eq(o, e));

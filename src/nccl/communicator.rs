@@ -622,7 +622,12 @@ impl Communicator {
             event.poison(reason);
             return;
         }
-        state.push_pending(event.clone(), before.clone());
+        // One by one: a short list, where collecting would cost more than the copies.
+        let mut copied = Before::new();
+        for e in before {
+            copied.push(e.clone());
+        }
+        state.push_pending(event.clone(), copied);
     }
 }
 
