@@ -8,8 +8,10 @@
 //! An import is any `crate::`, `super::` or `self::` path in code (comments are left out), each
 //! resolved to the file that defines it, through the `pub use` re-exports of `lib.rs` and the
 //! `mod.rs` files, so that an import through a re-export counts as an import of the file that
-//! defines the item. Run it alone with `cargo test --test layers -- --nocapture` to see the
-//! import graph.
+//! defines the item; a path from a module into its own children (declaring and re-exporting
+//! them) is structure, as the shared `rust-import-cycles` counts it. Run it alone with
+//! `cargo test --test layers -- --nocapture` to see the import graph, and with
+//! `LAYERS_DEBUG=<file under src/>` to see how each path of that file resolves.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -287,6 +289,7 @@ impl Crate {
             let out: &mut BTreeSet<ModPath> = edges.entry(m.clone()).or_default();
             for p in paths {
                 let Some(t) = self.resolve(p, 0) else { continue };
+                // How each path resolves, for one file (see the module docs).
                 if std::env::var("LAYERS_DEBUG").is_ok_and(|f| self.files[m] == f) {
                     println!("{} -> {}", p.join("::"), self.files.get(&t).map_or("?", |f| f));
                 }
