@@ -11,7 +11,7 @@ use smallvec::SmallVec;
 
 use crate::cuda::view::{View, ViewMut};
 use crate::engine::device::Device;
-use crate::engine::tracking::{Access, StreamId, record_and_store};
+use crate::engine::tracking::{Access, record_and_store};
 use crate::engine::{self, CaptureState, Tracked, TrackedUse, Work};
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
@@ -26,15 +26,7 @@ impl Stream {
     /// # Errors
     /// CUDA errors.
     pub fn new(device: &Device) -> Result<Stream> {
-        let raw = device.take_stream()?;
-        Ok(Stream {
-            raw,
-            id: StreamId::fresh(),
-            device: device.clone(),
-            order: Arc::default(),
-            last: Mutex::default(),
-            owner: None,
-        })
+        Ok(Stream::over(device.take_stream()?, device, None))
     }
 
     /// A stream over someone else's handle, kept alive by `owner`, never parked.
@@ -62,14 +54,7 @@ impl Stream {
             ));
         }
         wrapped.push(raw as usize);
-        Ok(Stream {
-            raw,
-            id: StreamId::fresh(),
-            device: device.clone(),
-            order: Arc::default(),
-            last: Mutex::default(),
-            owner: Some(owner),
-        })
+        Ok(Stream::over(raw, device, Some(owner)))
     }
 
     /// Blocks the host until all work queued so far on this stream has completed.

@@ -97,13 +97,19 @@ impl Stream {
     /// A stream with a null handle, for CPU tests that never queue work on it.
     #[cfg(test)]
     pub(crate) fn for_tests(device: &Device) -> Stream {
+        Stream::over(std::ptr::null_mut(), device, None)
+    }
+
+    /// A `Stream` over `raw`, a stream of `device`, with a fresh id and nothing recorded yet;
+    /// `owner` keeps someone else's handle alive (such a handle is never parked).
+    pub(crate) fn over(raw: cudaStream_t, device: &Device, owner: Option<engine::Keep>) -> Stream {
         Stream {
-            raw: std::ptr::null_mut(),
+            raw,
             id: StreamId::fresh(),
             device: device.clone(),
             order: Arc::default(),
             last: Mutex::default(),
-            owner: None,
+            owner,
         }
     }
 
