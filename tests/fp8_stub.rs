@@ -180,16 +180,10 @@ fn open(nccl: &Path) -> &'static Stubs {
 }
 
 fn main() {
-    if std::env::var_os(CHILD).is_some() {
+    stubs::child_main(CHILD, || {
         let nccl = PathBuf::from(std::env::var_os("HANDOFF_NCCL_PATH").expect("set by the parent"));
-        match child_old_nccl(open(&nccl)) {
-            Ok(()) => std::process::exit(0),
-            Err(e) => {
-                eprintln!("{e}");
-                std::process::exit(1);
-            }
-        }
-    }
+        child_old_nccl(open(&nccl))
+    });
     let mut args = Arguments::from_args();
     let dir = std::env::temp_dir().join(format!("handoff-fp8-stubs-{}", std::process::id()));
     let built = (|| {

@@ -327,15 +327,7 @@ fn without_the_functions(cudart: &Path, plain: &Path) -> Result<(), Failed> {
 }
 
 fn main() {
-    if std::env::var_os(CHILD).is_some() {
-        match child_without_the_functions() {
-            Ok(()) => std::process::exit(0),
-            Err(e) => {
-                eprintln!("{e}");
-                std::process::exit(1);
-            }
-        }
-    }
+    stubs::child_main(CHILD, child_without_the_functions);
     let mut args = Arguments::from_args();
     let dir = std::env::temp_dir().join(format!("handoff-registered-stubs-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("stub folder");

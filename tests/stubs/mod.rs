@@ -47,6 +47,22 @@ pub fn build(dir: &Path, c: &str, so: &str) -> Result<PathBuf, NoStubs> {
     Ok(target)
 }
 
+/// The child's side of [`run_child`]: when `role` is set, runs `body` and exits with its
+/// outcome (its error on standard error, for the parent to report); otherwise returns.
+#[allow(dead_code)] // Not every test binary that builds stubs runs a child.
+pub fn child_main(role: &str, body: impl FnOnce() -> Result<(), String>) {
+    if std::env::var_os(role).is_none() {
+        return;
+    }
+    match body() {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 /// Runs this test binary again as a child process with the stub libraries `cudart` and `nccl`
 /// and `role` set in its environment (the child's `main` looks for it), and fails with its
 /// standard error unless it succeeds: for a run whose libraries must differ from the parent's
