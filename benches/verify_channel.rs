@@ -252,20 +252,31 @@ fn recv_record(s: &std::net::TcpStream, buf: &mut [u8; RECORD]) {
 /// nothing sealed, checked or applied: lock-step as the stream (each thread sends one, then
 /// waits for the other's), and as the receiver-ahead path (one send, one read of a record
 /// already there, while the peer waits for the next on another core).
-fn tcp_floor(iterations: usize) {
+/// A loopback TCP connection without Nagle's delay: this end, and a thread running `peer` on
+/// the other.
+fn loopback(
+    peer: impl FnOnce(&std::net::TcpStream) + Send + 'static,
+) -> (std::net::TcpStream, std::thread::JoinHandle<()>) {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
-    let peer = std::thread::spawn(move || {
+    let thread = std::thread::spawn(move || {
         let (s, _) = l.accept().unwrap();
         s.set_nodelay(true).unwrap();
-        let (r, mut buf) = ([1u8; RECORD], [0u8; RECORD]);
-        for _ in 0..iterations + 1_000 {
-            send_record(&s, &r);
-            recv_record(&s, &mut buf);
-        }
+        peer(&s);
     });
     let s = std::net::TcpStream::connect(addr).unwrap();
     s.set_nodelay(true).unwrap();
+    (s, thread)
+}
+
+fn tcp_floor(iterations: usize) {
+    let (s, peer) = loopback(move |s| {
+        let (r, mut buf) = ([1u8; RECORD], [0u8; RECORD]);
+        for _ in 0..iterations + 1_000 {
+            send_record(s, &r);
+            recv_record(s, &mut buf);
+        }
+    });
     let (r, mut buf) = ([2u8; RECORD], [0u8; RECORD]);
     let mut stream = Vec::with_capacity(iterations);
     for i in 0..iterations + 1_000 {
@@ -281,20 +292,14 @@ fn tcp_floor(iterations: usize) {
     // The receiver-ahead path: the peer thread reads each record and answers it at once (as
     // rank 1 publishes its next receive when one returns); this thread works between sends,
     // so that the answer is there when it reads.
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let peer = std::thread::spawn(move || {
-        let (s, _) = l.accept().unwrap();
-        s.set_nodelay(true).unwrap();
+    let (s, peer) = loopback(move |s| {
         let (r, mut buf) = ([1u8; RECORD], [0u8; RECORD]);
-        send_record(&s, &r);
+        send_record(s, &r);
         for _ in 0..iterations + 1_000 {
-            recv_record(&s, &mut buf);
-            send_record(&s, &r);
+            recv_record(s, &mut buf);
+            send_record(s, &r);
         }
     });
-    let s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_nodelay(true).unwrap();
     let mut ahead = Vec::with_capacity(iterations);
     let mut ahead_cpu = Vec::with_capacity(iterations);
     for i in 0..iterations + 1_000 {
