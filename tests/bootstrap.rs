@@ -157,9 +157,22 @@ fn child(role: &str) -> i32 {
     }
 }
 
+/// An address nobody holds, for a server a test starts later. Not one the kernel picks for port
+/// 0: those come from its ephemeral range (32768-60999 on Linux), where the outgoing connections
+/// of the tests running beside this one take their local ports, so one of them could take it
+/// before the server binds it, which then fails with "Address already in use". Below that range
+/// instead, each port handed out once per process, from a base that differs between processes.
 fn free_addr() -> Result<String, Failed> {
-    let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    Ok(format!("127.0.0.1:{port}"))
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let base = 20_000 + (std::process::id() % 1_000) * 12;
+    for _ in 0..2_000 {
+        let port = 20_000 + (base - 20_000 + NEXT.fetch_add(1, Ordering::Relaxed)) % 12_000;
+        if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return Ok(format!("127.0.0.1:{port}"));
+        }
+    }
+    Err("no free port below the ephemeral range".into())
 }
 
 fn test_id() -> UniqueId {
