@@ -85,6 +85,33 @@ fn main() -> handoff::Result<()> {
         raw::check("ncclRecv", raw::recv(yp, 1, dt, 0, rc, rs)?)?;
         raw::group_end().map(drop)
     };
+    // Graphs of one kernel (`produce` on `k`, launched on `s`): handoff's, and raw ones captured
+    // on a raw stream of their own: the kernel alone, and the kernel followed by an event record
+    // node (what handoff's replays record their tracking event with).
+    let mut k2 = DeviceBuffer::<f32>::zeros(4, &s)?;
+    let graph = handoff::Graph::capture(&s, |s| kernels::produce(&mut k2, 1, s))?;
+    let gev = rt::event_create(false)?;
+    let gs = rt::stream_create_non_blocking()?;
+    // SAFETY: `gs` is a raw stream of this device, captured here only, by this thread; the
+    // captured launch is as the raw launches' below (`args` stays alive and is copied at
+    // capture), the node records `gev`, of this device.
+    let mut capture_raw = |with_record: bool| unsafe {
+        rt::stream_begin_capture(gs)?;
+        let launched = rt::launch_kernel(kernel.as_raw(), (1, 1, 1), (256, 1, 1), 0, &mut args, gs);
+        let recorded = if with_record {
+            rt::event_record_external(gev, gs)
+        } else {
+            Ok(())
+        };
+        let g = rt::stream_end_capture(gs)?;
+        launched?;
+        recorded?;
+        let exec = rt::graph_instantiate(g);
+        rt::graph_destroy(g)?;
+        exec
+    };
+    let raw_graph = capture_raw(false)?;
+    let raw_graph_node = capture_raw(true)?;
     let calls = o.calls;
     let mut rows: Vec<(&str, f64)> = Vec::new();
     // Twice: the first pass warms the pools, the second is reported.
@@ -160,6 +187,29 @@ fn main() -> handoff::Result<()> {
                 rt::event_record(ev, rs)
             })?,
         );
+        row(
+            "handoff graph launch (one kernel)",
+            time(calls, &s, |_| graph.launch(&s))?,
+        );
+        // SAFETY: the raw graphs are live executables of this device, writing `k` (as the raw
+        // launches above, ordered with them on `s`); `gev` is of this device.
+        row(
+            "raw cudaGraphLaunch (one kernel)",
+            time(calls, &s, |_| unsafe { rt::graph_launch(raw_graph, rs) })?,
+        );
+        // SAFETY: as above.
+        row(
+            "raw graph launch + cudaEventRecord",
+            time(calls, &s, |_| unsafe {
+                rt::graph_launch(raw_graph, rs)?;
+                rt::event_record(gev, rs)
+            })?,
+        );
+        // SAFETY: as above.
+        row(
+            "raw graph with an event record node",
+            time(calls, &s, |_| unsafe { rt::graph_launch(raw_graph_node, rs) })?,
+        );
         // SAFETY: as above.
         row(
             "cudaEventRecord",
@@ -172,6 +222,14 @@ fn main() -> handoff::Result<()> {
         println!("{name:>34} {ns:>8.0}");
     }
     // SAFETY: the stream is synchronized (above): nothing recorded `ev` is pending.
-    unsafe { rt::event_destroy(ev) }?;
+    // The raw graphs and their stream are idle too: each graph ran on `s`, and `gs` only
+    // captured.
+    unsafe {
+        rt::event_destroy(ev)?;
+        rt::graph_exec_destroy(raw_graph)?;
+        rt::graph_exec_destroy(raw_graph_node)?;
+        rt::event_destroy(gev)?;
+        rt::stream_destroy(gs)
+    }?;
     Ok(())
 }
