@@ -325,13 +325,19 @@ fn unverified_self_group(stubs: &Stubs) -> Result<(), Failed> {
 /// recorded after it. Nothing else: the stream is handoff's own, so no capture but handoff's
 /// can be under way on it (its capture state is in the stream's lock); NCCL sets the device
 /// itself, and waits and records take theirs from the stream.
+/// Every [`TRIM`]th operation on a communicator, the enqueueing thread drops what has completed
+/// from its queue (NCCL's error state asked first, then the newest entry's event, complete
+/// here: the whole queue goes), so that the tracking events go back to the pool at once
+/// instead of at the watchdog's next look.
 /// No allocation: the tracking event is taken from the pool, `Arc` and all, once nothing holds
-/// it (the watchdog has let go of it), and the engine's, the group's and verification's lists
+/// it (the queue has let go of it), and the engine's, the group's and verification's lists
 /// are inline, the local checks compare without collecting, and the watchdog's note shares the
 /// last operation's origin.
 const SELF_GROUP: Expected = Expected {
     calls: &[
+        ("cudaEventQuery", OPS / TRIM),
         ("cudaEventRecord", OPS),
+        ("ncclCommGetAsyncError", OPS / TRIM),
         ("ncclGroupEnd", OPS),
         ("ncclGroupStart", OPS),
         ("ncclRecv", OPS),
@@ -339,6 +345,10 @@ const SELF_GROUP: Expected = Expected {
     ],
     allocs: 0,
 };
+
+/// How often the enqueueing thread trims its communicator's queue (the watchdog's
+/// `TRIM_EVERY`); [`OPS`] is a multiple of it.
+const TRIM: u64 = 64;
 
 /// As verified: verification allocates nothing of its own.
 const UNVERIFIED_SELF_GROUP: Expected = Expected {
@@ -362,8 +372,10 @@ fn all_reduce(stubs: &Stubs) -> Result<(), Failed> {
 /// As a self group, with ncclAllReduce in place of the send and receive; no allocation.
 const ALL_REDUCE: Expected = Expected {
     calls: &[
+        ("cudaEventQuery", OPS / TRIM),
         ("cudaEventRecord", OPS),
         ("ncclAllReduce", OPS),
+        ("ncclCommGetAsyncError", OPS / TRIM),
         ("ncclGroupEnd", OPS),
         ("ncclGroupStart", OPS),
     ],
@@ -433,14 +445,15 @@ fn nccl_graph(stubs: &Stubs) -> Result<(), Failed> {
 /// stored with no call; a host event (a fixed point for the watchdog and the in-flight bound)
 /// after every 4th replay, from the pool (no allocation); the in-flight bound, which asks
 /// the graph's event (the latest replay) only once 8 replays are not known complete (every 8th
-/// launch here, where each is seen complete). The replay's origin is the graph's, made at
-/// capture.
+/// launch here, where each is seen complete), and the queue's trim (as [`SELF_GROUP`]'s). The
+/// replay's origin is the graph's, made at capture.
 const NCCL_GRAPH: Expected = Expected {
     calls: &[
-        ("cudaEventQuery", OPS / 8),
+        ("cudaEventQuery", OPS / 8 + OPS / TRIM),
         ("cudaEventRecord", OPS / 4),
         ("cudaGetDevice", OPS),
         ("cudaGraphLaunch", OPS),
+        ("ncclCommGetAsyncError", OPS / TRIM),
     ],
     allocs: 0,
 };
@@ -468,10 +481,12 @@ fn all_reduce_after_a_replay(stubs: &Stubs) -> Result<(), Failed> {
 /// waiting behind the all_reduce) would record again.
 const REPLAY_THEN_ALL_REDUCE: Expected = Expected {
     calls: &[
+        ("cudaEventQuery", OPS / TRIM),
         ("cudaEventRecord", 2 * OPS),
         ("cudaGetDevice", OPS),
         ("cudaGraphLaunch", OPS),
         ("ncclAllReduce", OPS),
+        ("ncclCommGetAsyncError", OPS / TRIM),
         ("ncclGroupEnd", OPS),
         ("ncclGroupStart", OPS),
     ],

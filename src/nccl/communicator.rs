@@ -627,7 +627,10 @@ impl Communicator {
         for e in before {
             copied.push(e.clone());
         }
-        state.push_pending(event.clone(), copied);
+        let seq = state.push_pending(event.clone(), copied);
+        let queued = state.pending.len();
+        drop(state);
+        watchdog::trim(&self.shared, seq, queued);
     }
 }
 

@@ -99,8 +99,8 @@ impl State {
     }
 
     /// Notes work queued after everything pending: `event` recorded after it, `after` what
-    /// its stream ran before.
-    pub(crate) fn push_pending(&mut self, event: Arc<PooledEvent>, after: Before) {
+    /// its stream ran before. Returns the entry's `seq`.
+    pub(crate) fn push_pending(&mut self, event: Arc<PooledEvent>, after: Before) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.pending.push_back(Pending {
@@ -109,6 +109,7 @@ impl State {
             after,
             started: None,
         });
+        seq
     }
 
     /// Marks the communicator unusable and aborts it (`ncclCommAbort`), as NCCL requires after

@@ -22,6 +22,13 @@
 //! next round. (A graph's communicator is then aborted by its own aborter thread, since NCCL's
 //! abort waits for the graph to be destroyed: see `State::break_with`.)
 //!
+//! # The enqueuer's share
+//! Every [`TRIM_EVERY`] operations on a communicator, the thread that queued the last one runs
+//! the first half of a look itself ([`trim`]: NCCL's error, then what has completed leaves the
+//! queue), under the same rules (no query with the lock held). So the queue, and the tracking
+//! events it holds from going back to the device's pool, stay about as long as the work the GPU
+//! has not yet done, not as long as a whole period's operations.
+//!
 //! # Newest first
 //! NCCL runs one communicator's operations one after another: every group's kernel launch
 //! stream first waits for the communicator's `deviceStream` ("userStream[0] waits on
@@ -291,27 +298,46 @@ fn newest_complete(probes: &Probes, gpu: &impl Gpu) -> Option<u64> {
     done
 }
 
-/// One look at one communicator (see the module documentation): NCCL's error, then what has
-/// completed, then the oldest operation's deadline. No event is queried with the lock held.
-fn check(shared: &Shared, gpu: &impl Gpu) {
-    let Some(mut state) = live_state(shared) else {
-        return;
-    };
+/// How often the enqueueing thread trims its communicator's queue itself ([`trim`]): every
+/// this many operations, once the queue is at least this long.
+const TRIM_EVERY: u64 = 64;
+
+/// Drops what has completed from the queue of `shared`, whose operation numbered `seq` was just
+/// queued, every [`TRIM_EVERY`] operations: called by the enqueueing thread, with no lock held.
+///
+/// Without it every operation's tracking event stays queued until the watchdog's next look, up
+/// to [`PERIOD`] later: thousands of events at a few microseconds an operation, which the
+/// device's event pool must then hold too, and whose every reuse finds cold memory. With it the
+/// queue stays about as long as the work the GPU has not yet done (and at most this long when
+/// the GPU keeps up), for a few event queries per [`TRIM_EVERY`] operations. It is the first
+/// half of the watchdog's look ([`drain`]): deadlines stay the watchdog's.
+pub(crate) fn trim(shared: &Shared, seq: u64, queued: usize) {
+    trim_with(shared, seq, queued, &Cuda);
+}
+
+fn trim_with(shared: &Shared, seq: u64, queued: usize, gpu: &impl Gpu) {
+    if (seq + 1).is_multiple_of(TRIM_EVERY) && queued as u64 >= TRIM_EVERY {
+        drain(shared, gpu);
+    }
+}
+
+/// The first half of a look (see the module documentation): NCCL's error, then what has
+/// completed is dropped. Returns the state, locked, unless the communicator broke (or is busy).
+/// No event is queried with the lock held.
+fn drain<'s>(shared: &'s Shared, gpu: &impl Gpu) -> Option<MutexGuard<'s, State>> {
+    let mut state = live_state(shared)?;
     // NCCL's error first: kernels it ended early have completed events, which must not be
     // taken for work that completed.
     if let Some(e) = gpu.comm_error(state.raw) {
         let reason = format!("the watchdog found an NCCL error on rank {}: {e}", shared.rank);
         state.break_with(reason, shared.ordinal, Cut::All);
-        return;
+        return None;
     }
     let probes = probes(&state.pending);
     if probes[0].is_some() {
         drop(state);
         let done = newest_complete(&probes, gpu);
-        let Some(again) = live_state(shared) else {
-            return;
-        };
-        state = again;
+        state = live_state(shared)?;
         if let Some(done) = done {
             // By `seq`: entries queued since the copy are newer and stay.
             while state.pending.front().is_some_and(|p| p.seq <= done) {
@@ -319,6 +345,15 @@ fn check(shared: &Shared, gpu: &impl Gpu) {
             }
         }
     }
+    Some(state)
+}
+
+/// One look at one communicator (see the module documentation): [`drain`], then the oldest
+/// operation's deadline. No event is queried with the lock held.
+fn check(shared: &Shared, gpu: &impl Gpu) {
+    let Some(mut state) = drain(shared, gpu) else {
+        return;
+    };
     // The oldest operation's deadline counts from when what its stream ran before it completed.
     let mut held_up = false;
     if let Some(front) = state.pending.front()
@@ -500,6 +535,43 @@ mod tests {
             1,
             "the newest alone says the whole queue is done"
         );
+    }
+
+    /// The enqueueing thread's trim: one look's drain every `TRIM_EVERY` operations, none in
+    /// between, and nothing while the queue is short (the GPU keeping up).
+    #[test]
+    fn the_enqueuers_trim_keeps_a_completed_queue_short_without_the_watchdog() {
+        let s = shared(true);
+        let gpu = Fake::new(&s, usize::MAX);
+        let mut longest = 0;
+        for e in 1..=10 * TRIM_EVERY as usize {
+            let (seq, queued) = {
+                let mut state = s.lock();
+                let seq = state.push_pending(device().fake_event(e), Default::default());
+                (seq, state.pending.len())
+            };
+            trim_with(&s, seq, queued, &gpu);
+            longest = longest.max(queued);
+        }
+        assert!(seqs(&s).is_empty(), "the last trim left {:?}", seqs(&s));
+        assert_eq!(
+            longest as u64, TRIM_EVERY,
+            "the queue never grew past one trim's worth"
+        );
+        assert_eq!(gpu.queries.get(), 10, "one query (the newest, complete) per trim");
+        // A queue still running is trimmed of what completed, and no more.
+        gpu.done.set(10 * TRIM_EVERY as usize + TRIM_EVERY as usize / 2);
+        for e in 10 * TRIM_EVERY as usize + 1..=11 * TRIM_EVERY as usize {
+            let (seq, queued) = {
+                let mut state = s.lock();
+                let seq = state.push_pending(device().fake_event(e), Default::default());
+                (seq, state.pending.len())
+            };
+            trim_with(&s, seq, queued, &gpu);
+        }
+        let left = seqs(&s);
+        assert!(!left.is_empty() && left.len() < TRIM_EVERY as usize, "{left:?}");
+        assert_eq!(left.last(), Some(&(11 * TRIM_EVERY - 1)));
     }
 
     #[test]
