@@ -223,7 +223,7 @@ impl Capturing<'_> {
     /// have, nor the other way round.
     fn finish(&self, last: Option<&PooledEvent>) -> (Result<crate::sys::cudart::cudaGraph_t>, Captured) {
         let mut held = self.stream.order().hold();
-        let state = held.clone().unwrap_or_default();
+        let state = held.capture.clone().unwrap_or_default();
         let mut captured = state.lock();
         let mut joined = Ok(());
         let mut joins = Vec::with_capacity(captured.forked.len());
@@ -265,12 +265,16 @@ impl Capturing<'_> {
         let out = std::mem::take(&mut *captured);
         captured.ended = true;
         drop(captured);
-        held.take();
+        held.capture.take();
         drop(held);
         for f in &out.forked {
             let mut theirs = f.order.hold();
-            if theirs.as_ref().is_some_and(|c| CaptureState::same(c, &state)) {
-                theirs.take();
+            if theirs
+                .capture
+                .as_ref()
+                .is_some_and(|c| CaptureState::same(c, &state))
+            {
+                theirs.capture.take();
             }
             if f.dropped {
                 self.stream.device().park_stream(f.raw);
@@ -328,7 +332,7 @@ impl Graph {
         let replayed = stream.device().take_replayed_event()?;
         {
             let mut state = stream.order().hold();
-            if state.is_some() {
+            if state.capture.is_some() {
                 return Err(Error::Capture {
                     detail: "the stream is already being captured into a graph: end that \
                              capture first, or capture on another stream"
@@ -346,7 +350,7 @@ impl Graph {
             // that the function's contract leaves to handoff: the capture state set below, under
             // the same lock, sends every tracked operation on the stream to the capture branch.
             unsafe { cu::stream_begin_capture(stream.as_raw()) }?;
-            *state = Some(CaptureState::new(stream.device(), comm.as_ref().map(|c| c.key())));
+            state.capture = Some(CaptureState::new(stream.device(), comm.as_ref().map(|c| c.key())));
         }
         let capturing = Capturing { stream, ended: false };
         let ran = {
@@ -544,7 +548,7 @@ pub(crate) trait GraphComm: Send + 'static {
     /// which received from every other rank, was cut short.
     fn replay_origin(&self) -> Arc<dyn Origin>;
     /// Queues `event`, recorded after a replay that ran `before` first, for the watchdog.
-    fn note_pending_from(&self, event: &Arc<PooledEvent>, before: &engine::Before, origin: &Arc<dyn Origin>);
+    fn note_pending_from(&self, event: &Arc<PooledEvent>, before: engine::Before, origin: &Arc<dyn Origin>);
     /// How the engine aborts the communicator by key when it cannot track a replay.
     fn aborter(&self) -> fn(usize, &str);
     /// The communicator itself, for [`Graph::communicator`].

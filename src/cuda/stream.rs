@@ -66,12 +66,13 @@ impl Stream {
     /// CUDA errors, including a fault in earlier work; [`Error::CommunicatorUnusable`] when the
     /// last NCCL operation queued here was cut short by its communicator's abort.
     pub fn synchronize(&self) -> Result<()> {
-        let nccl = self.last().nccl.clone();
+        let nccl = self.order.hold().last.nccl.clone();
         self.synchronize_raw()?;
         let r = crate::engine::device::check_poison(nccl.as_deref());
         if r.is_err() {
             // Reported once: later waits on the stream are about later work.
-            let mut last = self.last();
+            let mut held = self.order.hold();
+            let last = &mut held.last;
             if last
                 .nccl
                 .as_ref()
@@ -107,7 +108,7 @@ impl Stream {
         let held = self.order.hold();
         // Held across the record, so that the mark says where CUDA's last record was made.
         let mut mark = event.mark();
-        if let Some(capture) = held.as_ref() {
+        if let Some(capture) = held.capture.as_ref() {
             capture.admit(false, Work::Cuda { keep: None })?;
             // SAFETY: both handles are live and of the same device; the stream is captured by
             // this thread, so the record is a point of the capture.
@@ -141,7 +142,7 @@ impl Stream {
         let mut held = self.order.hold();
         let mark = event.mark();
         let live = mark.as_ref().filter(|c| !c.lock().ended);
-        match (held.as_ref(), live) {
+        match (held.capture.as_ref(), live) {
             (Some(mine), Some(theirs)) if CaptureState::same(mine, theirs) => {
                 mine.admit(false, Work::Cuda { keep: None })?;
                 // SAFETY: both handles are live; the event was recorded in this capture, so
@@ -174,7 +175,7 @@ impl Stream {
                     _owner: self.owner.clone(),
                 });
                 drop(shared);
-                *held = Some(theirs.clone());
+                held.capture = Some(theirs.clone());
                 Ok(())
             }
             (None, None) if mark.is_some() => Err(engine::capture_error(
@@ -193,7 +194,7 @@ impl Stream {
     /// Held, so that no capture can begin in between.
     pub(crate) fn outside_capture<R>(&self, what: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
         let held = self.order.hold();
-        if held.is_some() {
+        if held.capture.is_some() {
             return Err(engine::not_capturable(what));
         }
         f()
@@ -232,7 +233,7 @@ impl Stream {
         // operation counts from the stream's previous work completing).
         self.device.set_current()?;
         let mut held = self.order.hold();
-        if let Some(capture) = held.as_mut() {
+        if let Some(capture) = held.capture.as_mut() {
             // Captured: nothing runs now, so nothing to record.
             capture.admit(false, work)?;
             if let Work::Cuda { keep } = work {
@@ -242,7 +243,11 @@ impl Stream {
         }
         self.check_not_captured_elsewhere()?;
         let out = op(self.raw)?;
-        let recorded = record_and_store(&held, || self.record_event(), |e| self.note_recorded(e, false));
+        let recorded = record_and_store(
+            std::slice::from_mut(&mut held),
+            || self.record_event(),
+            |held, e| held[0].last.note(e, false),
+        );
         if recorded.is_err() {
             // Without the event, wait for the work instead, as the engine does.
             self.synchronize_raw()?;

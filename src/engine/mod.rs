@@ -55,17 +55,42 @@ pub(crate) fn same_capture(a: &Stream, b: &Stream) -> bool {
     if std::ptr::eq(a, b) {
         return true;
     }
-    let Some(x) = a.order().hold().clone() else {
+    let Some(x) = a.order().hold().capture.clone() else {
         return false;
     };
     b.order()
         .hold()
+        .capture
         .as_ref()
         .is_some_and(|y| CaptureState::same(&x, y))
 }
 
-/// What a stream's order lock guards.
-pub(crate) type StreamState = Option<CaptureState>;
+/// What a stream's order lock guards: the capture under way there, if any, and the newest
+/// tracking events recorded there (under the lock that orders their recording, so that
+/// queueing an operation takes no other lock of the stream).
+#[derive(Default)]
+pub(crate) struct StreamState {
+    pub(crate) capture: Option<CaptureState>,
+    pub(crate) last: Last,
+}
+
+/// The newest tracking event recorded on a stream, and the newest after an NCCL operation.
+#[derive(Default)]
+pub(crate) struct Last {
+    pub(crate) any: Option<Arc<PooledEvent>>,
+    pub(crate) nccl: Option<Arc<PooledEvent>>,
+}
+
+impl Last {
+    /// Remembers `event` as the newest recorded on the stream (`nccl`: after an NCCL
+    /// operation).
+    pub(crate) fn note(&mut self, event: &Arc<PooledEvent>, nccl: bool) {
+        self.any = Some(event.clone());
+        if nccl {
+            self.nccl = Some(event.clone());
+        }
+    }
+}
 
 /// One use of a buffer by the operation being queued.
 #[derive(Clone, Copy)]
@@ -141,7 +166,8 @@ pub(crate) enum Work<'k> {
 /// Queues one operation that uses the given memory (steps 2 to 5 above; step 1 is
 /// [`check_devices`], which callers run before anything else they check). `recorded` is called
 /// with each record stream, the event recorded after the work there, and (for NCCL work,
-/// which [`Stream::synchronize`] also reports on) what its uses' streams ran before it.
+/// which [`Stream::synchronize`] also reports on) what its uses' streams ran before it, handed
+/// over.
 ///
 /// The uses are recorded even when `submit` fails: whatever part of the work reached a stream
 /// stays tracked.
@@ -155,7 +181,7 @@ pub(crate) fn enqueue<R>(
     uses: &[TrackedUse<'_>],
     work: Work<'_>,
     submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
-    recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
+    recorded: impl FnMut(&Stream, &Arc<PooledEvent>, Before),
 ) -> Result<R> {
     enqueue_with(uses, work, None, submit, recorded)
 }
@@ -181,7 +207,7 @@ pub(crate) fn enqueue_replay<R>(
     work: Work<'_>,
     replay: Replay<'_>,
     submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
-    recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
+    recorded: impl FnMut(&Stream, &Arc<PooledEvent>, Before),
 ) -> Result<R> {
     enqueue_with(uses, work, Some(replay), submit, recorded)
 }
@@ -191,7 +217,7 @@ fn enqueue_with<R>(
     work: Work<'_>,
     replay: Option<Replay<'_>>,
     submit: impl FnOnce(&mut CurrentDevice) -> Result<R>,
-    mut recorded: impl FnMut(&Stream, &Arc<PooledEvent>, &Before),
+    mut recorded: impl FnMut(&Stream, &Arc<PooledEvent>, Before),
 ) -> Result<R> {
     let nccl = matches!(work, Work::Nccl { .. });
     // Each distinct stream once, in stream-id order, the order their locks are taken in, so
@@ -209,12 +235,16 @@ fn enqueue_with<R>(
     for s in streams.iter() {
         held.push(s.order().hold());
     }
-    let capturing = held.iter().any(|h| h.is_some());
+    let capturing = held.iter().any(|h| h.capture.is_some());
     if capturing {
-        let first = held.iter().flat_map(|h| h.as_ref()).next().expect("capturing");
+        let first = held
+            .iter()
+            .flat_map(|h| h.capture.as_ref())
+            .next()
+            .expect("capturing");
         if !held
             .iter()
-            .all(|h| h.as_ref().is_some_and(|c| CaptureState::same(c, first)))
+            .all(|h| h.capture.as_ref().is_some_and(|c| CaptureState::same(c, first)))
         {
             return Err(capture_error(SPANNING));
         }
@@ -251,7 +281,7 @@ fn enqueue_with<R>(
         if replay.is_some() {
             return Err(not_capturable("launching a graph"));
         }
-        let state = held.first().and_then(|h| h.as_ref()).expect("capturing");
+        let state = held.first().and_then(|h| h.capture.as_ref()).expect("capturing");
         return capture(uses, work, &streams, state, submit);
     }
     // Per record stream, what its uses' streams ran (and are made to wait for) before.
@@ -262,8 +292,8 @@ fn enqueue_with<R>(
         }
         for u in uses {
             let b = before.get_mut(index(u.record)).expect("one per stream");
-            if let Some(e) = u.stream.last_recorded() {
-                b.push(e);
+            if let Some(e) = &held.get(index(u.stream)).expect("held").last.any {
+                b.push(e.clone());
             }
         }
     }
@@ -302,7 +332,6 @@ fn enqueue_with<R>(
     }
     let out = submit(&mut current);
     let mut failed = None;
-    let no_before = Before::default();
     for (i, s) in streams.iter().enumerate() {
         let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, *s));
         if let Some(r) = replay.filter(|_| is_record(s)) {
@@ -313,7 +342,7 @@ fn enqueue_with<R>(
                 let t = locked.get_mut(slot(v.tracked)).expect("locked");
                 t.record(v.stream.id(), v.access, r.event.clone());
             }
-            s.note_recorded(r.event, nccl);
+            held.get_mut(i).expect("held").last.note(r.event, nccl);
             // The checkpoint, if one is due; without it (or if it cannot be recorded) the
             // watchdog watches the replay through the graph's event, which is exact enough
             // for it (see the watchdog's deadline over replays).
@@ -327,30 +356,30 @@ fn enqueue_with<R>(
                 },
                 None => r.event.clone(),
             };
-            recorded(s, &watched, before.get(i).unwrap_or(&no_before));
+            recorded(s, &watched, take_before(&mut before, i));
             continue;
         }
         let Some(event) = events.get_mut(i).and_then(Option::take) else {
             continue;
         };
         let stored = record_and_store(
-            held.get(i).expect("held above"),
+            &mut held,
             || s.record_pooled(event),
-            |event| {
+            |held, event| {
                 for v in mine() {
                     let t = locked.get_mut(slot(v.tracked)).expect("locked");
                     t.record(v.stream.id(), v.access, event.clone());
                 }
                 // Once per stream the event follows work of.
-                for t in streams.iter() {
+                for (t, h) in streams.iter().zip(held.iter_mut()) {
                     if mine().any(|v| std::ptr::eq(v.stream, *t)) {
-                        t.note_recorded(event, nccl);
+                        h.last.note(event, nccl);
                     }
                 }
             },
         );
         match stored {
-            Ok(event) => recorded(s, &event, before.get(i).unwrap_or(&no_before)),
+            Ok(event) => recorded(s, &event, take_before(&mut before, i)),
             Err(e) => {
                 // The work is queued but untracked. Once it has completed it needs no tracking,
                 // and the trackers' older entries stay correct, so the host waits for it here,
@@ -378,6 +407,11 @@ fn enqueue_with<R>(
         (Ok(r), None) => Ok(r),
         (Err(e), _) | (Ok(_), Some(e)) => Err(e),
     }
+}
+
+/// Record stream `i`'s [`Before`] list, handed over (empty for CUDA work, which has none).
+fn take_before(before: &mut [Before], i: usize) -> Before {
+    before.get_mut(i).map(std::mem::take).unwrap_or_default()
 }
 
 /// Makes every [`Before`] list hold only fixed points of streams, as the watchdog's deadline

@@ -25,19 +25,11 @@ pub struct Stream {
     pub(crate) id: StreamId,
     pub(crate) device: Device,
     /// Serialises recording tracking events here with storing them (see [`RecordOrder`]), and
-    /// holds the graph capture under way here, if any.
+    /// holds the graph capture under way here, if any, and the newest tracking events.
     pub(crate) order: Arc<RecordOrder<StreamState>>,
-    /// The newest tracking event recorded here, and the newest after an NCCL operation.
-    pub(crate) last: Mutex<Last>,
     /// For a stream that belongs to someone else (cudarc's): what keeps its handle alive. Such
     /// a handle is never parked for reuse.
     pub(crate) owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
-}
-
-#[derive(Default)]
-pub(crate) struct Last {
-    pub(crate) any: Option<Arc<PooledEvent>>,
-    pub(crate) nccl: Option<Arc<PooledEvent>>,
 }
 
 /// The handles of other owners' streams that a live `Stream` wraps (see
@@ -65,7 +57,7 @@ impl Drop for Stream {
     fn drop(&mut self) {
         // Joined to a capture under way: CUDA captures the handle until the capture ends, so it
         // is parked (or let go of) only then (see `Graph`'s end of capture).
-        if let Some(capture) = self.order.hold().as_ref() {
+        if let Some(capture) = self.order.hold().capture.as_ref() {
             let mut shared = capture.lock();
             if let Some(fork) = shared
                 .forked
@@ -90,10 +82,6 @@ impl Drop for Stream {
 }
 
 impl Stream {
-    pub(crate) fn last(&self) -> MutexGuard<'_, Last> {
-        self.last.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// A stream with a null handle, for CPU tests that never queue work on it.
     #[cfg(test)]
     pub(crate) fn for_tests(device: &Device) -> Stream {
@@ -108,7 +96,6 @@ impl Stream {
             id: StreamId::fresh(),
             device: device.clone(),
             order: Arc::default(),
-            last: Mutex::default(),
             owner,
         }
     }
@@ -129,21 +116,6 @@ impl Stream {
     /// capture, is asked before every tracked operation.)
     pub fn as_raw(&self) -> cudaStream_t {
         self.raw
-    }
-
-    /// Remembers `event` as the newest recorded here (`nccl`: after an NCCL operation). Called
-    /// under [`RecordOrder`], so the newest stays newest.
-    pub(crate) fn note_recorded(&self, event: &Arc<PooledEvent>, nccl: bool) {
-        let mut last = self.last();
-        last.any = Some(event.clone());
-        if nccl {
-            last.nccl = Some(event.clone());
-        }
-    }
-
-    /// The newest tracking event recorded here: work queued now starts after it completes.
-    pub(crate) fn last_recorded(&self) -> Option<Arc<PooledEvent>> {
-        self.last().any.clone()
     }
 
     pub(crate) fn check_device(&self, other: &Device, what: &str) -> Result<()> {

@@ -222,15 +222,16 @@ impl<T> CapturedUses<T> {
     }
 }
 
-/// Runs `record`, then `store` with what it returned, while the caller holds the stream's
-/// order (`_held`): no other recording on the stream comes in between.
+/// Runs `record`, then `store` with what it returned, while the caller holds the orders of the
+/// streams it records on and stores for (`held`, which `store` may update): no other recording
+/// on those streams comes in between.
 pub(crate) fn record_and_store<E, X, S>(
-    _held: &Held<'_, S>,
+    held: &mut [Held<'_, S>],
     record: impl FnOnce() -> Result<E, X>,
-    store: impl FnOnce(&E),
+    store: impl FnOnce(&mut [Held<'_, S>], &E),
 ) -> Result<E, X> {
     let event = record()?;
-    store(&event);
+    store(held, &event);
     Ok(event)
 }
 
@@ -384,7 +385,7 @@ mod tests {
                     (order.clone(), tracker.clone(), clock.clone(), t1_recorded.clone());
                 std::thread::spawn(move || {
                     record_and_store(
-                        &order.hold(),
+                        &mut [order.hold()],
                         || {
                             let e = clock.fetch_add(1, Ordering::SeqCst) + 1;
                             sync.wait();
@@ -392,15 +393,15 @@ mod tests {
                             std::thread::sleep(Duration::from_millis(20));
                             Ok::<u32, ()>(e)
                         },
-                        |&e| tracker.lock().unwrap().record(S1, Access::Read, e),
+                        |_, &e| tracker.lock().unwrap().record(S1, Access::Read, e),
                     )
                 })
             };
             t1_recorded.wait();
             record_and_store(
-                &order.hold(),
+                &mut [order.hold()],
                 || Ok::<u32, ()>(clock.fetch_add(1, Ordering::SeqCst) + 1),
-                |&e| tracker.lock().unwrap().record(S1, Access::Read, e),
+                |_, &e| tracker.lock().unwrap().record(S1, Access::Read, e),
             )
             .unwrap();
             t1.join().unwrap().unwrap();

@@ -583,11 +583,12 @@ impl Communicator {
     /// Remembers `event`, recorded after this communicator's latest work on some stream, which
     /// ran `before` first and received from `peers`, for [`Communicator::synchronize`], the
     /// watchdog and host reads.
-    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: &Before, peers: &[usize]) {
+    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: Before, peers: &[usize]) {
         // The same peers as the last time (an application's steady state): the same origin.
         let mut last = self.last_origin.borrow_mut();
         let origin = match last.as_ref() {
-            Some((p, o)) if p.as_slice() == peers => o.clone(),
+            // Lengths first: mostly no peer or one, where a memory comparison costs more.
+            Some((p, o)) if p.len() == peers.len() && p.iter().zip(peers).all(|(a, b)| a == b) => o.clone(),
             _ => {
                 let o = self.origin(peers.to_vec());
                 *last = Some((peers.to_vec(), o.clone()));
@@ -612,7 +613,7 @@ impl Communicator {
     pub(crate) fn note_pending_from(
         &self,
         event: &Arc<PooledEvent>,
-        before: &Before,
+        before: Before,
         origin: &Arc<dyn Origin>,
     ) {
         event.set_origin(origin.clone());
@@ -622,12 +623,7 @@ impl Communicator {
             event.poison(reason);
             return;
         }
-        // One by one: a short list, where collecting would cost more than the copies.
-        let mut copied = Before::new();
-        for e in before {
-            copied.push(e.clone());
-        }
-        let seq = state.push_pending(event.clone(), copied);
+        let seq = state.push_pending(event.clone(), before);
         let queued = state.pending.len();
         drop(state);
         watchdog::trim(&self.shared, seq, queued);

@@ -28,7 +28,7 @@ impl GraphComm for Communicator {
         self.origin((0..self.world_size()).filter(|&r| r != self.rank()).collect())
     }
 
-    fn note_pending_from(&self, event: &Arc<PooledEvent>, before: &Before, origin: &Arc<dyn Origin>) {
+    fn note_pending_from(&self, event: &Arc<PooledEvent>, before: Before, origin: &Arc<dyn Origin>) {
         Communicator::note_pending_from(self, event, before, origin);
     }
 

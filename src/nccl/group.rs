@@ -168,6 +168,9 @@ pub struct Group<'a> {
     ops: SmallVec<[Op<'a>; 2]>,
     pub(crate) colls: SmallVec<[CollOp<'a>; 2]>,
     order: SmallVec<[Posted; 4]>,
+    /// The group's communicators, each once in first-use order, with the stream of its first
+    /// operation (where its tracking event is recorded): noted as operations are added.
+    firsts: SmallVec<[(&'a Communicator, &'a Stream); 2]>,
     /// NCCL's group state is per thread.
     _not_send: PhantomData<*const ()>,
 }
@@ -205,6 +208,7 @@ pub fn group<'a, R>(f: impl FnOnce(&mut Group<'a>) -> Result<R>) -> Result<R> {
         ops: SmallVec::new(),
         colls: SmallVec::new(),
         order: SmallVec::new(),
+        firsts: SmallVec::new(),
         _not_send: PhantomData,
     };
     let out = f(&mut g)?;
@@ -286,6 +290,7 @@ impl<'a> Group<'a> {
             // Defined as a no-op on both sides: NCCL is not called and nothing is tracked.
             return Ok(());
         }
+        self.note(comm, stream);
         self.order.push(Posted::P2p(self.ops.len()));
         self.ops.push(Op {
             comm,
@@ -302,6 +307,7 @@ impl<'a> Group<'a> {
 
     /// Adds a checked collective.
     pub(crate) fn push_coll(&mut self, op: CollOp<'a>) {
+        self.note(op.comm, op.stream);
         self.order.push(Posted::Coll(self.colls.len()));
         self.colls.push(op);
     }
@@ -316,15 +322,19 @@ impl<'a> Group<'a> {
 
     /// Every send and receive NCCL will queue for this group, its collectives' per-peer parts
     /// included, in NCCL's order.
-    fn queued(&self) -> impl Iterator<Item = Queued<'a>> + '_ {
-        self.order.iter().flat_map(|p| {
+    fn queued(&self) -> SmallVec<[Queued<'a>; 8]> {
+        // Pushed one by one: a short list, where collecting a flattened iterator costs more.
+        let mut queued = SmallVec::new();
+        for p in &self.order {
             let (comm, call) = match *p {
                 Posted::P2p(i) => (self.ops[i].comm, self.ops[i].call()),
                 Posted::Coll(i) => (self.colls[i].comm, Call::Coll(self.colls[i].desc)),
             };
-            model::expand(call, comm.rank(), comm.world_size())
-                .map(move |(peer, dir, d)| (comm, peer, dir, d))
-        })
+            for (peer, dir, d) in model::expand(call, comm.rank(), comm.world_size()) {
+                queued.push((comm, peer, dir, d));
+            }
+        }
+        queued
     }
 
     /// Graph capture, checked before anything is verified or posted: a communicator given to
@@ -335,7 +345,7 @@ impl<'a> Group<'a> {
     fn check_capture(&self) -> Result<()> {
         let mut captured_on: Option<&Stream> = None;
         for (c, s) in self.all() {
-            match s.order().hold().as_ref() {
+            match s.order().hold().capture.as_ref() {
                 Some(capture) => {
                     capture.admit(
                         false,
@@ -376,23 +386,25 @@ impl<'a> Group<'a> {
         Ok(())
     }
 
+    /// Notes an operation's communicator and stream in [`Group::firsts`] (few: a linear scan).
+    fn note(&mut self, comm: &'a Communicator, stream: &'a Stream) {
+        if !self.firsts.iter().any(|(c, _)| std::ptr::eq(*c, comm)) {
+            self.firsts.push((comm, stream));
+        }
+    }
+
     /// The stream of `comm`'s first operation: where its tracking event is recorded.
     fn first_stream(&self, comm: &Communicator) -> &'a Stream {
-        self.all()
+        self.firsts
+            .iter()
             .find(|(c, _)| std::ptr::eq(*c, comm))
             .expect("a communicator of the group")
             .1
     }
 
-    /// The communicators of the group, each once, in first-use order (few: a linear scan).
-    fn comms(&self) -> SmallVec<[&'a Communicator; 2]> {
-        let mut comms: SmallVec<[&Communicator; 2]> = SmallVec::new();
-        for (c, _) in self.all() {
-            if !comms.iter().any(|d| std::ptr::eq(*d, c)) {
-                comms.push(c);
-            }
-        }
-        comms
+    /// The communicators of the group, each once, in first-use order.
+    fn comms(&self) -> impl Iterator<Item = &'a Communicator> + '_ {
+        self.firsts.iter().map(|(c, _)| *c)
     }
 
     /// Collectives between ranks of one `init_all` (driven by one thread) must all be in this
@@ -411,7 +423,7 @@ impl<'a> Group<'a> {
                 continue;
             }
             for r in 0..c.world_size() {
-                let other = self.comms().into_iter().find(|d| {
+                let other = self.comms().find(|d| {
                     d.rank() == r
                         && d.clique
                             .as_ref()
@@ -579,11 +591,11 @@ impl<'a> Group<'a> {
         if self.ops.is_empty() && self.colls.is_empty() {
             return Ok(());
         }
-        let comms = self.comms();
+        let comms: SmallVec<[&'a Communicator; 2]> = self.comms().collect();
         self.check_types()?;
         self.check_capture()?;
         // What NCCL will queue, expanded once for the checks and verification.
-        let queued: SmallVec<[Queued<'a>; 8]> = self.queued().collect();
+        let queued = self.queued();
         self.check_local(&queued)?;
         self.check_local_collectives()?;
         self.verify(&comms, &queued)?;
@@ -621,21 +633,31 @@ impl<'a> Group<'a> {
                 abort: Communicator::abort_by_key,
             },
             |_| self.post(&comms),
-            |stream, event, before| {
+            |stream, event, mut before| {
                 // The communicators whose events are recorded on this stream, and the peers
-                // each receives from.
-                for c in comms
-                    .iter()
-                    .filter(|c| std::ptr::eq(self.first_stream(c), stream))
-                {
+                // each receives from; the list of what ran before goes to the last of them.
+                let here = || {
+                    self.firsts
+                        .iter()
+                        .filter(move |(_, s)| std::ptr::eq(*s, stream))
+                        .map(|(c, _)| *c)
+                };
+                let mut left = here().count();
+                for c in here() {
+                    left -= 1;
+                    let before = if left == 0 {
+                        std::mem::take(&mut before)
+                    } else {
+                        before.clone()
+                    };
                     let mut peers: SmallVec<[usize; 8]> = self
                         .ops
                         .iter()
-                        .filter(|o| std::ptr::eq(o.comm, *c) && o.access == Access::Write)
+                        .filter(|o| std::ptr::eq(o.comm, c) && o.access == Access::Write)
                         .map(|o| o.peer)
                         .collect();
                     // A collective's output depends on every other rank.
-                    if self.colls.iter().any(|o| std::ptr::eq(o.comm, *c)) {
+                    if self.colls.iter().any(|o| std::ptr::eq(o.comm, c)) {
                         peers.extend((0..c.world_size()).filter(|&r| r != c.rank()));
                     }
                     c.note_pending(event, before, &peers);
