@@ -587,11 +587,14 @@ impl<'a> Group<'a> {
         Err(e)
     }
 
-    fn submit(self) -> Result<()> {
+    fn submit(&self) -> Result<()> {
         if self.ops.is_empty() && self.colls.is_empty() {
             return Ok(());
         }
-        let comms: SmallVec<[&'a Communicator; 2]> = self.comms().collect();
+        let mut comms: SmallVec<[&'a Communicator; 2]> = SmallVec::new();
+        for c in self.comms() {
+            comms.push(c);
+        }
         self.check_types()?;
         self.check_capture()?;
         // What NCCL will queue, expanded once for the checks and verification.
@@ -614,18 +617,20 @@ impl<'a> Group<'a> {
                 access,
                 record: self.first_stream(comm),
             };
-        let mut uses: SmallVec<[TrackedUse<'_>; 4]> = self
-            .ops
-            .iter()
-            .map(|o| use_of(o.comm, o.stream, o.tracked, o.access))
-            .collect();
+        let mut uses: SmallVec<[TrackedUse<'_>; 4]> = SmallVec::new();
+        for o in &self.ops {
+            uses.push(use_of(o.comm, o.stream, o.tracked, o.access));
+        }
         for c in &self.colls {
             if let Some((t, _)) = c.send {
                 uses.push(use_of(c.comm, c.stream, t, Access::Read));
             }
             uses.push(use_of(c.comm, c.stream, c.recv.0, Access::Write));
         }
-        let keys: SmallVec<[usize; 2]> = comms.iter().map(|c| c.key()).collect();
+        let mut keys: SmallVec<[usize; 2]> = SmallVec::new();
+        for c in &comms {
+            keys.push(c.key());
+        }
         let r = engine::enqueue(
             &uses,
             engine::Work::Nccl {
@@ -650,15 +655,17 @@ impl<'a> Group<'a> {
                     } else {
                         before.clone()
                     };
-                    let mut peers: SmallVec<[usize; 8]> = self
-                        .ops
-                        .iter()
-                        .filter(|o| std::ptr::eq(o.comm, c) && o.access == Access::Write)
-                        .map(|o| o.peer)
-                        .collect();
+                    let mut peers: SmallVec<[usize; 8]> = SmallVec::new();
+                    for o in &self.ops {
+                        if std::ptr::eq(o.comm, c) && o.access == Access::Write {
+                            peers.push(o.peer);
+                        }
+                    }
                     // A collective's output depends on every other rank.
                     if self.colls.iter().any(|o| std::ptr::eq(o.comm, c)) {
-                        peers.extend((0..c.world_size()).filter(|&r| r != c.rank()));
+                        for r in (0..c.world_size()).filter(|&r| r != c.rank()) {
+                            peers.push(r);
+                        }
                     }
                     c.note_pending(event, before, &peers);
                 }
@@ -710,7 +717,6 @@ impl<'a> Group<'a> {
             raws.push(usable(s)?);
         }
         let raw_of = |c: &Communicator| raws[comms.iter().position(|d| std::ptr::eq(*d, c)).expect("listed")];
-        let started = Instant::now();
         // PreMulSum operators, made before the group (a failure to make one inside it would
         // not stop NCCL launching the rest of the group), destroyed once it has ended.
         let mut redops: SmallVec<[_; 2]> = SmallVec::new();
@@ -793,8 +799,10 @@ impl<'a> Group<'a> {
             failed.get_or_insert(e);
             false
         });
-        // A non-blocking communicator may still be enqueueing: wait until it is ready.
+        // A non-blocking communicator may still be enqueueing: wait until it is ready (its
+        // timeout counted from here, a few microseconds after the group began).
         if failed.is_none() && in_progress {
+            let started = Instant::now();
             for (c, raw) in comms.iter().zip(&raws) {
                 // SAFETY: the communicator is live (usable, lock held).
                 if let Err(e) = unsafe { nc::wait_ready(*raw, "ncclGroupEnd", started, c.timeout()) } {

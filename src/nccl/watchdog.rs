@@ -249,7 +249,12 @@ fn try_state(shared: &Shared) -> Option<MutexGuard<'_, State>> {
 
 /// The state, if its lock is free and the communicator still live.
 fn live_state(shared: &Shared) -> Option<MutexGuard<'_, State>> {
-    try_state(shared).filter(|s| s.broken.is_none() && !s.raw.is_null())
+    try_state(shared).filter(live)
+}
+
+/// Whether the communicator is live: neither broken nor destroyed.
+fn live(state: &MutexGuard<'_, State>) -> bool {
+    state.broken.is_none() && !state.raw.is_null()
 }
 
 /// How many entries of the queue a look copies out to query, at most: the newest, then some
@@ -299,33 +304,42 @@ fn newest_complete(probes: &Probes, gpu: &impl Gpu) -> Option<u64> {
 }
 
 /// How often the enqueueing thread trims its communicator's queue itself ([`trim`]): every
-/// this many operations, once the queue is at least this long.
+/// this many operations.
 const TRIM_EVERY: u64 = 64;
 
 /// Drops what has completed from the queue of `shared`, whose operation numbered `seq` was just
-/// queued, every [`TRIM_EVERY`] operations: called by the enqueueing thread, with no lock held.
+/// queued (`queued` entries now), every [`TRIM_EVERY`] operations: called by the enqueueing
+/// thread, with no lock held.
 ///
 /// Without it every operation's tracking event stays queued until the watchdog's next look, up
 /// to [`PERIOD`] later: thousands of events at a few microseconds an operation, which the
 /// device's event pool must then hold too, and whose every reuse finds cold memory. With it the
 /// queue stays about as long as the work the GPU has not yet done (and at most this long when
-/// the GPU keeps up), for a few event queries per [`TRIM_EVERY`] operations. It is the first
-/// half of the watchdog's look ([`drain`]): deadlines stay the watchdog's.
+/// the GPU keeps up), for NCCL's error state and a few event queries per [`TRIM_EVERY`]
+/// operations. It is the first half of the watchdog's look ([`drain`]): deadlines stay the
+/// watchdog's.
 pub(crate) fn trim(shared: &Shared, seq: u64, queued: usize) {
     trim_with(shared, seq, queued, &Cuda);
 }
 
 fn trim_with(shared: &Shared, seq: u64, queued: usize, gpu: &impl Gpu) {
-    if (seq + 1).is_multiple_of(TRIM_EVERY) && queued as u64 >= TRIM_EVERY {
-        drain(shared, gpu);
+    if (seq + 1).is_multiple_of(TRIM_EVERY) && queued > 0 {
+        // Waits for the lock (the watchdog never holds it across a query): a trim skipped
+        // because the watchdog happened to be looking would leave the queue as long as before.
+        drain(shared, gpu, |s| Some(s.lock()).filter(live));
     }
 }
 
 /// The first half of a look (see the module documentation): NCCL's error, then what has
 /// completed is dropped. Returns the state, locked, unless the communicator broke (or is busy).
 /// No event is queried with the lock held.
-fn drain<'s>(shared: &'s Shared, gpu: &impl Gpu) -> Option<MutexGuard<'s, State>> {
-    let mut state = live_state(shared)?;
+/// `lock` takes the state if the communicator is live (the watchdog's only if it is free).
+fn drain<'s>(
+    shared: &'s Shared,
+    gpu: &impl Gpu,
+    lock: impl Fn(&'s Shared) -> Option<MutexGuard<'s, State>>,
+) -> Option<MutexGuard<'s, State>> {
+    let mut state = lock(shared)?;
     // NCCL's error first: kernels it ended early have completed events, which must not be
     // taken for work that completed.
     if let Some(e) = gpu.comm_error(state.raw) {
@@ -337,7 +351,7 @@ fn drain<'s>(shared: &'s Shared, gpu: &impl Gpu) -> Option<MutexGuard<'s, State>
     if probes[0].is_some() {
         drop(state);
         let done = newest_complete(&probes, gpu);
-        state = live_state(shared)?;
+        state = lock(shared)?;
         if let Some(done) = done {
             // By `seq`: entries queued since the copy are newer and stay.
             while state.pending.front().is_some_and(|p| p.seq <= done) {
@@ -351,7 +365,7 @@ fn drain<'s>(shared: &'s Shared, gpu: &impl Gpu) -> Option<MutexGuard<'s, State>
 /// One look at one communicator (see the module documentation): [`drain`], then the oldest
 /// operation's deadline. No event is queried with the lock held.
 fn check(shared: &Shared, gpu: &impl Gpu) {
-    let Some(mut state) = drain(shared, gpu) else {
+    let Some(mut state) = drain(shared, gpu, live_state) else {
         return;
     };
     // The oldest operation's deadline counts from when what its stream ran before it completed.
@@ -559,6 +573,9 @@ mod tests {
             "the queue never grew past one trim's worth"
         );
         assert_eq!(gpu.queries.get(), 10, "one query (the newest, complete) per trim");
+        // An empty queue is not asked about.
+        trim_with(&s, TRIM_EVERY - 1, 0, &gpu);
+        assert_eq!(gpu.queries.get(), 10);
         // A queue still running is trimmed of what completed, and no more.
         gpu.done.set(10 * TRIM_EVERY as usize + TRIM_EVERY as usize / 2);
         for e in 10 * TRIM_EVERY as usize + 1..=11 * TRIM_EVERY as usize {
