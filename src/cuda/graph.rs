@@ -418,11 +418,11 @@ impl Graph {
         // graph's stream was on the graph's device.
         stream.check_device(&self.device, "the graph")?;
         let exec = self.exec.0;
-        let uses: SmallVec<[TrackedUse<'_>; 8]> = self
-            .uses
-            .iter()
-            .map(|(t, a)| TrackedUse::on(stream, t, *a))
-            .collect();
+        // Pushed in place: collecting builds the list elsewhere and copies it here.
+        let mut uses: SmallVec<[TrackedUse<'_>; 8]> = SmallVec::new();
+        for (t, a) in self.uses.iter() {
+            uses.push(TrackedUse::on(stream, t, *a));
+        }
         let Some(comm) = &self.comm else {
             let work = Work::Uncapturable {
                 what: "launching a graph",

@@ -220,13 +220,14 @@ impl Stream {
         work: Work<'_>,
         op: impl FnOnce(cudaStream_t) -> Result<R>,
     ) -> Result<R> {
-        let uses: SmallVec<[TrackedUse<'_>; 8]> = uses
-            .iter()
-            .map(|&(tracked, access)| TrackedUse::on(self, tracked, access))
-            .collect();
-        engine::check_devices(&uses)?;
-        if !uses.is_empty() {
-            return engine::enqueue(&uses, work, |_| op(self.raw), |_, _, _| {});
+        // Pushed in place: collecting builds the list elsewhere and copies it here.
+        let mut tracked: SmallVec<[TrackedUse<'_>; 8]> = SmallVec::new();
+        for &(t, access) in uses {
+            tracked.push(TrackedUse::on(self, t, access));
+        }
+        engine::check_devices(&tracked)?;
+        if !tracked.is_empty() {
+            return engine::enqueue(&tracked, work, |_| op(self.raw), |_, _, _| {});
         }
         // Work that touches no buffer: nothing to track, but later work on this stream starts
         // only after it, which a communicator's watchdog must know (its deadline for an
