@@ -221,6 +221,50 @@ fn main() -> handoff::Result<()> {
     for (name, ns) in &rows {
         println!("{name:>34} {ns:>8.0}");
     }
+    // GPU-inclusive: batches timed by events on the stream, so that a gap the GPU sees between
+    // two groups (a tracking event recorded between them) counts, beside the raw groups with
+    // and without that record.
+    let (start, end) = (handoff::Event::new(&dev)?, handoff::Event::new(&dev)?);
+    let gpu_time = |f: &mut dyn FnMut() -> handoff::Result<()>| -> handoff::Result<f64> {
+        let mut per_call = Vec::new();
+        for _ in 0..calls.div_ceil(BATCH) {
+            s.record(&start)?;
+            for _ in 0..BATCH {
+                f()?;
+            }
+            s.record(&end)?;
+            end.synchronize()?;
+            per_call.push(f64::from(start.elapsed_ms(&end)?) * 1e6 / f64::from(BATCH));
+        }
+        per_call.sort_by(f64::total_cmp);
+        Ok(per_call[per_call.len() / 2])
+    };
+    let mut gpu_rows: Vec<(&str, f64)> = Vec::new();
+    for _ in 0..2 {
+        gpu_rows.clear();
+        gpu_rows.push((
+            "unverified send+receive group",
+            gpu_time(&mut || {
+                group(|g| {
+                    g.send(ucomm, &x, 0, &s)?;
+                    g.recv(ucomm, &mut y, 0, &s)
+                })
+            })?,
+        ));
+        gpu_rows.push(("raw send+receive group", gpu_time(&mut || raw_group())?));
+        gpu_rows.push((
+            "raw group + cudaEventRecord",
+            gpu_time(&mut || {
+                raw_group()?;
+                // SAFETY: as above.
+                unsafe { rt::event_record(ev, rs) }
+            })?,
+        ));
+    }
+    println!("# GPU-inclusive time per call, ns (batches of {BATCH} timed by events on the stream, median):");
+    for (name, ns) in &gpu_rows {
+        println!("{name:>34} {ns:>8.0}");
+    }
     // SAFETY: the stream is synchronized (above): nothing recorded `ev` is pending.
     // The raw graphs and their stream are idle too: each graph ran on `s`, and `gs` only
     // captured.

@@ -169,6 +169,10 @@ pub struct Graph {
 /// peer, and it does not fill the stream's queue until `cudaGraphLaunch` itself blocks.
 pub const MAX_REPLAYS_IN_FLIGHT: usize = 8;
 
+/// How many times the in-flight bound polls its oldest replay, yielding between polls, before
+/// it sleeps between them (about a millisecond of polls).
+const SPIN_POLLS: u32 = 1000;
+
 /// An NCCL graph's launches record a host event after every this many replays (a fixed point
 /// for the in-flight bound and the watchdog), and none after the others.
 const CHECKPOINT: u64 = 4;
@@ -524,10 +528,20 @@ impl Graph {
         let (n, oldest) = in_flight
             .pop_front()
             .unwrap_or_else(|| (launched, self.replayed.clone()));
+        // Polled, not slept on at once: a sleep lasts at least the thread's timer slack (50 µs
+        // by default on Linux), longer than the replays still queued take to run, so the GPU
+        // would idle until the thread woke. A millisecond of yielding polls (each query asks
+        // the communicator too: an abort, or the watchdog's end, stops the wait), then sleeps.
+        let mut polls = 0u32;
         // SAFETY: as above.
         while !unsafe { cu::event_query(oldest.raw) }? {
             comm.check_usable()?;
-            std::thread::sleep(std::time::Duration::from_micros(50));
+            polls += 1;
+            if polls < SPIN_POLLS {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
         }
         self.completed.set(n);
         Ok(())
