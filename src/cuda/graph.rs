@@ -462,7 +462,8 @@ impl Graph {
             event: &self.replayed,
             checkpoint: n.is_multiple_of(CHECKPOINT),
         };
-        engine::enqueue_replay(
+        let mut due = false;
+        let r = engine::enqueue_replay(
             &uses,
             Work::Nccl {
                 comms: &key,
@@ -483,12 +484,16 @@ impl Graph {
             },
             |_, event, before| {
                 let origin = self.origin.as_ref().expect("made with the communicator");
-                comm.note_pending_from(event, before, origin);
+                due |= comm.note_pending_from(event, before, origin);
                 if !event.is_replayed() {
                     self.in_flight.borrow_mut().push_back((n, event.clone()));
                 }
             },
-        )
+        );
+        if due {
+            comm.trim();
+        }
+        r
     }
 
     /// With [`MAX_REPLAYS_IN_FLIGHT`] replays launched and not known complete, finds out which
@@ -536,7 +541,7 @@ impl Graph {
         // SAFETY: as above.
         while !unsafe { cu::event_query(oldest.raw) }? {
             comm.check_usable()?;
-            polls += 1;
+            polls = polls.saturating_add(1);
             if polls < SPIN_POLLS {
                 std::thread::yield_now();
             } else {
@@ -561,8 +566,16 @@ pub(crate) trait GraphComm: Send + 'static {
     /// What a replay's tracking event asks at a host read: whether the communicator's work,
     /// which received from every other rank, was cut short.
     fn replay_origin(&self) -> Arc<dyn Origin>;
-    /// Queues `event`, recorded after a replay that ran `before` first, for the watchdog.
-    fn note_pending_from(&self, event: &Arc<PooledEvent>, before: engine::Before, origin: &Arc<dyn Origin>);
+    /// Queues `event`, recorded after a replay that ran `before` first, for the watchdog;
+    /// returns whether the queue is due to be trimmed ([`GraphComm::trim`]).
+    fn note_pending_from(
+        &self,
+        event: &Arc<PooledEvent>,
+        before: engine::Before,
+        origin: &Arc<dyn Origin>,
+    ) -> bool;
+    /// Drops what has completed from the watchdog's queue: called with no lock held.
+    fn trim(&self);
     /// How the engine aborts the communicator by key when it cannot track a replay.
     fn aborter(&self) -> fn(usize, &str);
     /// The communicator itself, for [`Graph::communicator`].

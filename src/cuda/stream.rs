@@ -66,19 +66,17 @@ impl Stream {
     /// CUDA errors, including a fault in earlier work; [`Error::CommunicatorUnusable`] when the
     /// last NCCL operation queued here was cut short by its communicator's abort.
     pub fn synchronize(&self) -> Result<()> {
-        let nccl = self.order.hold().last.nccl.clone();
+        let nccl = self.last_nccl().clone();
         self.synchronize_raw()?;
         let r = crate::engine::device::check_poison(nccl.as_deref());
         if r.is_err() {
             // Reported once: later waits on the stream are about later work.
-            let mut held = self.order.hold();
-            let last = &mut held.last;
+            let mut last = self.last_nccl();
             if last
-                .nccl
                 .as_ref()
                 .is_some_and(|e| nccl.as_ref().is_some_and(|n| Arc::ptr_eq(e, n)))
             {
-                last.nccl = None;
+                *last = None;
             }
         }
         r
@@ -247,7 +245,7 @@ impl Stream {
         let recorded = record_and_store(
             std::slice::from_mut(&mut held),
             || self.record_event(),
-            |held, e| held[0].last.note(e, false),
+            |held, e| self.note_recorded(&mut held[0], e, false),
         );
         if recorded.is_err() {
             // Without the event, wait for the work instead, as the engine does.

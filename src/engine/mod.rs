@@ -66,30 +66,12 @@ pub(crate) fn same_capture(a: &Stream, b: &Stream) -> bool {
 }
 
 /// What a stream's order lock guards: the capture under way there, if any, and the newest
-/// tracking events recorded there (under the lock that orders their recording, so that
-/// queueing an operation takes no other lock of the stream).
+/// tracking event recorded there (under the lock that orders their recording, so that queueing
+/// CUDA work takes no other lock of the stream; see [`Stream::note_recorded`]).
 #[derive(Default)]
 pub(crate) struct StreamState {
     pub(crate) capture: Option<CaptureState>,
-    pub(crate) last: Last,
-}
-
-/// The newest tracking event recorded on a stream, and the newest after an NCCL operation.
-#[derive(Default)]
-pub(crate) struct Last {
-    pub(crate) any: Option<Arc<PooledEvent>>,
-    pub(crate) nccl: Option<Arc<PooledEvent>>,
-}
-
-impl Last {
-    /// Remembers `event` as the newest recorded on the stream (`nccl`: after an NCCL
-    /// operation).
-    pub(crate) fn note(&mut self, event: &Arc<PooledEvent>, nccl: bool) {
-        self.any = Some(event.clone());
-        if nccl {
-            self.nccl = Some(event.clone());
-        }
-    }
+    pub(crate) last: Option<Arc<PooledEvent>>,
 }
 
 /// One use of a buffer by the operation being queued.
@@ -292,7 +274,7 @@ fn enqueue_with<R>(
         }
         for u in uses {
             let b = before.get_mut(index(u.record)).expect("one per stream");
-            if let Some(e) = &held.get(index(u.stream)).expect("held").last.any {
+            if let Some(e) = &held.get(index(u.stream)).expect("held").last {
                 b.push(e.clone());
             }
         }
@@ -342,7 +324,7 @@ fn enqueue_with<R>(
                 let t = locked.get_mut(slot(v.tracked)).expect("locked");
                 t.record(v.stream.id(), v.access, r.event.clone());
             }
-            held.get_mut(i).expect("held").last.note(r.event, nccl);
+            s.note_recorded(held.get_mut(i).expect("held"), r.event, nccl);
             // The checkpoint, if one is due; without it (or if it cannot be recorded) the
             // watchdog watches the replay through the graph's event, which is exact enough
             // for it (see the watchdog's deadline over replays).
@@ -373,7 +355,7 @@ fn enqueue_with<R>(
                 // Once per stream the event follows work of.
                 for (t, h) in streams.iter().zip(held.iter_mut()) {
                     if mine().any(|v| std::ptr::eq(v.stream, *t)) {
-                        h.last.note(event, nccl);
+                        t.note_recorded(h, event, nccl);
                     }
                 }
             },

@@ -27,6 +27,10 @@ pub struct Stream {
     /// Serialises recording tracking events here with storing them (see [`RecordOrder`]), and
     /// holds the graph capture under way here, if any, and the newest tracking events.
     pub(crate) order: Arc<RecordOrder<StreamState>>,
+    /// The newest tracking event recorded here after NCCL work, which [`Stream::synchronize`]
+    /// reports on: apart from the order, so that a synchronize never waits behind another
+    /// thread's enqueue (a blocking `ncclGroupEnd` can take long).
+    pub(crate) last_nccl: Mutex<Option<Arc<PooledEvent>>>,
     /// For a stream that belongs to someone else (cudarc's): what keeps its handle alive. Such
     /// a handle is never parked for reuse.
     pub(crate) owner: Option<Arc<dyn std::any::Any + Send + Sync>>,
@@ -96,6 +100,7 @@ impl Stream {
             id: StreamId::fresh(),
             device: device.clone(),
             order: Arc::default(),
+            last_nccl: Mutex::default(),
             owner,
         }
     }
@@ -116,6 +121,20 @@ impl Stream {
     /// capture, is asked before every tracked operation.)
     pub fn as_raw(&self) -> cudaStream_t {
         self.raw
+    }
+
+    /// Remembers `event` as the newest tracking event recorded here (`nccl`: after NCCL work),
+    /// in `held`, this stream's order state, held since the event was recorded.
+    pub(crate) fn note_recorded(&self, held: &mut StreamState, event: &Arc<PooledEvent>, nccl: bool) {
+        held.last = Some(event.clone());
+        if nccl {
+            *self.last_nccl() = Some(event.clone());
+        }
+    }
+
+    /// The field of that name, locked.
+    pub(crate) fn last_nccl(&self) -> MutexGuard<'_, Option<Arc<PooledEvent>>> {
+        self.last_nccl.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn check_device(&self, other: &Device, what: &str) -> Result<()> {

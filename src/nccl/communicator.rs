@@ -304,7 +304,8 @@ impl Communicator {
             TrackedUse::on(&stream, all.tracked(), Access::Write),
         ];
         engine::check_devices(&uses)?;
-        engine::enqueue(
+        let mut due = false;
+        let queued = engine::enqueue(
             &uses,
             engine::Work::Nccl {
                 comms: &[self.key()],
@@ -329,8 +330,12 @@ impl Communicator {
                 }
                 r
             },
-            |_, event, before| self.note_pending(event, before, &[]),
-        )?;
+            |_, event, before| due |= self.note_pending(event, before, &[]),
+        );
+        if due {
+            self.trim();
+        }
+        queued?;
         self.wait_stream(&stream)?;
         all.to_vec(&stream)
     }
@@ -583,7 +588,10 @@ impl Communicator {
     /// Remembers `event`, recorded after this communicator's latest work on some stream, which
     /// ran `before` first and received from `peers`, for [`Communicator::synchronize`], the
     /// watchdog and host reads.
-    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: Before, peers: &[usize]) {
+    ///
+    /// Returns whether the queue is due to be trimmed ([`Communicator::trim`], once the
+    /// operation is queued and the engine's locks let go of).
+    pub(crate) fn note_pending(&self, event: &Arc<PooledEvent>, before: Before, peers: &[usize]) -> bool {
         // The same peers as the last time (an application's steady state): the same origin.
         let mut last = self.last_origin.borrow_mut();
         let origin = match last.as_ref() {
@@ -596,7 +604,7 @@ impl Communicator {
             }
         };
         drop(last);
-        self.note_pending_from(event, before, &origin);
+        self.note_pending_from(event, before, &origin)
     }
 
     /// What a tracking event after work of this communicator receiving from `peers` asks, at a
@@ -615,18 +623,22 @@ impl Communicator {
         event: &Arc<PooledEvent>,
         before: Before,
         origin: &Arc<dyn Origin>,
-    ) {
+    ) -> bool {
         event.set_origin(origin.clone());
         let mut state = self.shared.lock();
         if let Some(reason) = &state.broken {
             // Broken between posting and now: the work may have been cut short.
             event.poison(reason);
-            return;
+            return false;
         }
         let seq = state.push_pending(event.clone(), before);
-        let queued = state.pending.len();
-        drop(state);
-        watchdog::trim(&self.shared, seq, queued);
+        watchdog::trim_due(seq, state.pending.len())
+    }
+
+    /// Drops what has completed from the queue (see `watchdog::trim`): called with no lock
+    /// held, after an operation whose [`Communicator::note_pending`] said it was due.
+    pub(crate) fn trim(&self) {
+        watchdog::trim(&self.shared);
     }
 }
 

@@ -28,8 +28,12 @@ impl GraphComm for Communicator {
         self.origin((0..self.world_size()).filter(|&r| r != self.rank()).collect())
     }
 
-    fn note_pending_from(&self, event: &Arc<PooledEvent>, before: Before, origin: &Arc<dyn Origin>) {
-        Communicator::note_pending_from(self, event, before, origin);
+    fn note_pending_from(&self, event: &Arc<PooledEvent>, before: Before, origin: &Arc<dyn Origin>) -> bool {
+        Communicator::note_pending_from(self, event, before, origin)
+    }
+
+    fn trim(&self) {
+        Communicator::trim(self);
     }
 
     fn aborter(&self) -> fn(usize, &str) {

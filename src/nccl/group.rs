@@ -631,6 +631,8 @@ impl<'a> Group<'a> {
         for c in &comms {
             keys.push(c.key());
         }
+        // The communicators whose queues are due to be trimmed, once the engine has let go.
+        let mut due: SmallVec<[&'a Communicator; 2]> = SmallVec::new();
         let r = engine::enqueue(
             &uses,
             engine::Work::Nccl {
@@ -667,11 +669,17 @@ impl<'a> Group<'a> {
                             peers.push(r);
                         }
                     }
-                    c.note_pending(event, before, &peers);
+                    if c.note_pending(event, before, &peers) {
+                        due.push(c);
+                    }
                 }
             },
         );
-        guard.done(r)
+        let r = guard.done(r);
+        for c in due {
+            c.trim();
+        }
+        r
     }
 }
 

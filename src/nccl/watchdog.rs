@@ -184,16 +184,23 @@ fn round(live: &[Arc<Shared>], look: impl Fn(&Shared)) {
             abort_unwatchable(shared);
             continue;
         }
-        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| look(shared))) {
-            let _ = shared.unwatchable.set(format!(
-                "the watchdog's look at rank {}'s communicator panicked ({}): it can no longer \
-                 be watched, so it is aborted (a bug in handoff: please report it)",
-                shared.rank,
-                panic_text(&*p)
-            ));
-            // Aborted now if the lock is free (a panic under it leaves it poisoned, not held).
-            abort_unwatchable(shared);
-        }
+        contained(shared, || look(shared));
+    }
+}
+
+/// Runs `look` (all or part of a look at `shared`); if it panics, the communicator can no
+/// longer be watched: it is marked so, and aborted (now if its lock is free, else at the
+/// watchdog's next round).
+fn contained(shared: &Shared, look: impl FnOnce()) {
+    if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(look)) {
+        let _ = shared.unwatchable.set(format!(
+            "the watchdog's look at rank {}'s communicator panicked ({}): it can no longer \
+             be watched, so it is aborted (a bug in handoff: please report it)",
+            shared.rank,
+            panic_text(&*p)
+        ));
+        // Aborted now if the lock is free (a panic under it leaves it poisoned, not held).
+        abort_unwatchable(shared);
     }
 }
 
@@ -307,9 +314,16 @@ fn newest_complete(probes: &Probes, gpu: &impl Gpu) -> Option<u64> {
 /// this many operations.
 const TRIM_EVERY: u64 = 64;
 
-/// Drops what has completed from the queue of `shared`, whose operation numbered `seq` was just
-/// queued (`queued` entries now), every [`TRIM_EVERY`] operations: called by the enqueueing
-/// thread, with no lock held.
+/// Whether the enqueueing thread, having just queued operation `seq` (`queued` entries now),
+/// is due to [`trim`] the queue: every [`TRIM_EVERY`] operations.
+pub(crate) fn trim_due(seq: u64, queued: usize) -> bool {
+    (seq + 1).is_multiple_of(TRIM_EVERY) && queued > 0
+}
+
+/// Drops what has completed from the queue of `shared`: called by the enqueueing thread when
+/// [`trim_due`] says so, once the operation is queued and every lock let go of (a panic here
+/// is contained as in the watchdog's own look: the communicator is aborted, never left
+/// unwatched).
 ///
 /// Without it every operation's tracking event stays queued until the watchdog's next look, up
 /// to [`PERIOD`] later: thousands of events at a few microseconds an operation, which the
@@ -318,20 +332,20 @@ const TRIM_EVERY: u64 = 64;
 /// the GPU keeps up), for NCCL's error state and a few event queries per [`TRIM_EVERY`]
 /// operations. It is the first half of the watchdog's look ([`drain`]): deadlines stay the
 /// watchdog's.
-pub(crate) fn trim(shared: &Shared, seq: u64, queued: usize) {
-    trim_with(shared, seq, queued, &Cuda);
+pub(crate) fn trim(shared: &Shared) {
+    trim_with(shared, &Cuda);
 }
 
-fn trim_with(shared: &Shared, seq: u64, queued: usize, gpu: &impl Gpu) {
-    if (seq + 1).is_multiple_of(TRIM_EVERY) && queued > 0 {
-        // Waits for the lock (the watchdog never holds it across a query): a trim skipped
-        // because the watchdog happened to be looking would leave the queue as long as before.
+fn trim_with(shared: &Shared, gpu: &impl Gpu) {
+    // Waits for the lock (the watchdog never holds it across a query): a trim skipped because
+    // the watchdog happened to be looking would leave the queue as long as before.
+    contained(shared, || {
         drain(shared, gpu, |s| Some(s.lock()).filter(live));
-    }
+    });
 }
 
 /// The first half of a look (see the module documentation): NCCL's error, then what has
-/// completed is dropped. Returns the state, locked, unless the communicator broke (or is busy).
+/// completed is dropped (NCCL's error asked again first). Returns the state, locked, unless the communicator broke (or is busy).
 /// No event is queried with the lock held.
 /// `lock` takes the state if the communicator is live (the watchdog's only if it is free).
 fn drain<'s>(
@@ -352,6 +366,14 @@ fn drain<'s>(
         drop(state);
         let done = newest_complete(&probes, gpu);
         state = lock(shared)?;
+        // Asked again before anything is dropped: an error that came while the events were
+        // queried (and ended kernels early, completing their events) would otherwise let
+        // cut-short work leave the queue as complete, unpoisoned.
+        if let Some(e) = gpu.comm_error(state.raw) {
+            let reason = format!("the watchdog found an NCCL error on rank {}: {e}", shared.rank);
+            state.break_with(reason, shared.ordinal, Cut::All);
+            return None;
+        }
         if let Some(done) = done {
             // By `seq`: entries queued since the copy are newer and stay.
             while state.pending.front().is_some_and(|p| p.seq <= done) {
@@ -494,6 +516,8 @@ mod tests {
         done: Cell<usize>,
         queries: Cell<usize>,
         during: RefCell<Option<During<'a>>>,
+        /// Whether NCCL reports an error once an event has been queried.
+        fails_once_queried: Cell<bool>,
     }
 
     impl<'a> Fake<'a> {
@@ -503,6 +527,7 @@ mod tests {
                 done: Cell::new(done),
                 queries: Cell::new(0),
                 during: RefCell::new(None),
+                fails_once_queried: Cell::new(false),
             }
         }
     }
@@ -521,7 +546,7 @@ mod tests {
         }
 
         fn comm_error(&self, _: ncclComm_t) -> Option<String> {
-            None
+            (self.fails_once_queried.get() && self.queries.get() > 0).then(|| "a remote error".into())
         }
     }
 
@@ -564,7 +589,9 @@ mod tests {
                 let seq = state.push_pending(device().fake_event(e), Default::default());
                 (seq, state.pending.len())
             };
-            trim_with(&s, seq, queued, &gpu);
+            if trim_due(seq, queued) {
+                trim_with(&s, &gpu);
+            }
             longest = longest.max(queued);
         }
         assert!(seqs(&s).is_empty(), "the last trim left {:?}", seqs(&s));
@@ -573,8 +600,9 @@ mod tests {
             "the queue never grew past one trim's worth"
         );
         assert_eq!(gpu.queries.get(), 10, "one query (the newest, complete) per trim");
-        // An empty queue is not asked about.
-        trim_with(&s, TRIM_EVERY - 1, 0, &gpu);
+        // An empty queue is not trimmed, and would not be asked about.
+        assert!(!trim_due(TRIM_EVERY - 1, 0));
+        trim_with(&s, &gpu);
         assert_eq!(gpu.queries.get(), 10);
         // A queue still running is trimmed of what completed, and no more.
         gpu.done.set(10 * TRIM_EVERY as usize + TRIM_EVERY as usize / 2);
@@ -584,11 +612,45 @@ mod tests {
                 let seq = state.push_pending(device().fake_event(e), Default::default());
                 (seq, state.pending.len())
             };
-            trim_with(&s, seq, queued, &gpu);
+            if trim_due(seq, queued) {
+                trim_with(&s, &gpu);
+            }
         }
         let left = seqs(&s);
         assert!(!left.is_empty() && left.len() < TRIM_EVERY as usize, "{left:?}");
         assert_eq!(left.last(), Some(&(11 * TRIM_EVERY - 1)));
+    }
+
+    /// An NCCL error that comes while the events are queried: nothing leaves the queue as
+    /// complete (NCCL may have completed those events by ending their kernels early), and the
+    /// queued work is marked cut short.
+    #[test]
+    fn an_error_while_the_events_are_queried_drops_nothing_as_complete() {
+        let s = shared(true);
+        // The handle goes to an aborter, never to NCCL: it is made up.
+        let (to, _from) = std::sync::mpsc::channel();
+        s.lock().graph_aborter = Some(crate::nccl::state::GraphAborter {
+            handle: Some(to),
+            thread: std::thread::spawn(|| {}),
+        });
+        let events: Vec<_> = (1..=3).map(|e| device().fake_event(e)).collect();
+        {
+            let mut state = s.lock();
+            for e in &events {
+                state.push_pending(e.clone(), Default::default());
+            }
+        }
+        let gpu = Fake::new(&s, 3);
+        gpu.fails_once_queried.set(true);
+        trim_with(&s, &gpu);
+        let reason = s.lock().broken.clone().expect("broken by the error");
+        assert!(reason.contains("a remote error"), "{reason}");
+        for e in &events {
+            assert!(
+                e.poisoned().is_some(),
+                "work queued when the error came is cut short"
+            );
+        }
     }
 
     #[test]
