@@ -653,6 +653,25 @@ mod tests {
         }
     }
 
+    /// A panic in the enqueueing thread's trim is contained as one in the watchdog's look: the
+    /// communicator is aborted with why, not left queued with nothing watching it.
+    #[test]
+    fn a_panicking_trim_aborts_its_communicator() {
+        let s = shared(true);
+        let (to, _from) = std::sync::mpsc::channel();
+        s.lock().graph_aborter = Some(crate::nccl::state::GraphAborter {
+            handle: Some(to),
+            thread: std::thread::spawn(|| {}),
+        });
+        queue(&s, 1..=3);
+        let gpu = Fake::new(&s, 3);
+        *gpu.during.borrow_mut() = Some(Box::new(|_| panic!("a bug in a trim")));
+        trim_with(&s, &gpu);
+        let reason = s.lock().broken.clone().expect("aborted");
+        assert!(reason.contains("panicked (a bug in a trim)"), "{reason}");
+        assert!(s.unwatchable.get().is_some());
+    }
+
     #[test]
     fn an_incomplete_newest_drops_what_the_probes_saw_complete() {
         let s = shared(true);
