@@ -1,6 +1,10 @@
 #!/bin/bash
-# A/B on the device: a library before a change (.device/before: built from an earlier commit by hand, e.g. `git worktree add /tmp/before REV && CARGO_TARGET_DIR=/tmp/bt cargo build --release --bench hostpath --bench graphs`, copied there before packing) against
-# this one, interleaved in one call, two rounds. Everything goes into $OUT/ab.txt.
+# A/B on the device: this build's hostpath and graphs benchmarks against those of an earlier
+# commit, interleaved in one call, two rounds; everything goes into $OUT/ab.txt. The earlier
+# binaries are built here by hand and copied into .device/before before packing, e.g.
+#   git worktree add /tmp/before REV
+#   (cd /tmp/before && CARGO_TARGET_DIR=/tmp/bt cargo build --release --bench hostpath --bench graphs)
+#   cp /tmp/bt/release/deps/{hostpath,graphs}-<hash> .device/before/{hostpath,graphs}
 set -u
 o=$OUT/ab.txt
 : > "$o"
