@@ -6,8 +6,11 @@
 //! Each line is the median over batches of 100 calls of one kind (the stream synchronized
 //! between batches, outside the timing), in ns per call: a verified and an unverified
 //! send+receive group to oneself, an in-place broadcast over one rank (NCCL does nothing for it,
-//! so it isolates handoff's own cost per collective), `kernels::produce`, each beside the raw
-//! calls of the same work with and without the one `cudaEventRecord` tracking adds.
+//! so it isolates handoff's own cost per collective), `kernels::produce`, a graph of one kernel
+//! launched, each beside the raw calls of the same work with and without the one
+//! `cudaEventRecord` tracking adds (for the graph: also a raw graph ending in an event record
+//! node, the way handoff's replays record theirs). Then the unverified group and the raw one,
+//! with and without its record, GPU-inclusive: batches timed by events on the stream.
 //!
 //! Run against the stub libraries of `tests/stubs` (`HANDOFF_CUDART_PATH`, `HANDOFF_NCCL_PATH`:
 //! calls that return at once), the handoff lines are handoff's own CPU work and the raw lines

@@ -25,7 +25,7 @@ pub struct Stream {
     pub(crate) id: StreamId,
     pub(crate) device: Device,
     /// Serialises recording tracking events here with storing them (see [`RecordOrder`]), and
-    /// holds the graph capture under way here, if any, and the newest tracking events.
+    /// holds the graph capture under way here, if any, and the newest tracking event.
     pub(crate) order: Arc<RecordOrder<StreamState>>,
     /// The newest tracking event recorded here after NCCL work, which [`Stream::synchronize`]
     /// reports on: apart from the order, so that a synchronize never waits behind another
