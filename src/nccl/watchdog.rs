@@ -505,6 +505,18 @@ mod tests {
         }
     }
 
+    /// A live communicator's state whose abort hands its (made-up) handle to an aborter that
+    /// drops it, never to NCCL: for tests that break it.
+    fn live_aborted_by_hand() -> Shared {
+        let s = shared(true);
+        let (to, from) = std::sync::mpsc::channel();
+        s.lock().graph_aborter = Some(crate::nccl::state::GraphAborter {
+            handle: Some(to),
+            thread: std::thread::spawn(move || drop(from.recv())),
+        });
+        s
+    }
+
     /// What another thread does while the watchdog queries.
     type During<'a> = Box<dyn FnOnce(&Shared) + 'a>;
 
@@ -626,13 +638,7 @@ mod tests {
     /// queued work is marked cut short.
     #[test]
     fn an_error_while_the_events_are_queried_drops_nothing_as_complete() {
-        let s = shared(true);
-        // The handle goes to an aborter, never to NCCL: it is made up.
-        let (to, _from) = std::sync::mpsc::channel();
-        s.lock().graph_aborter = Some(crate::nccl::state::GraphAborter {
-            handle: Some(to),
-            thread: std::thread::spawn(|| {}),
-        });
+        let s = live_aborted_by_hand();
         let events: Vec<_> = (1..=3).map(|e| device().fake_event(e)).collect();
         {
             let mut state = s.lock();
@@ -657,12 +663,7 @@ mod tests {
     /// communicator is aborted with why, not left queued with nothing watching it.
     #[test]
     fn a_panicking_trim_aborts_its_communicator() {
-        let s = shared(true);
-        let (to, _from) = std::sync::mpsc::channel();
-        s.lock().graph_aborter = Some(crate::nccl::state::GraphAborter {
-            handle: Some(to),
-            thread: std::thread::spawn(|| {}),
-        });
+        let s = live_aborted_by_hand();
         queue(&s, 1..=3);
         let gpu = Fake::new(&s, 3);
         *gpu.during.borrow_mut() = Some(Box::new(|_| panic!("a bug in a trim")));
