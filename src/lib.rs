@@ -210,9 +210,9 @@
 //!   1485-1486 and 1698-1713 at 2.28.3), and a graph's replays run in order on its one stream,
 //!   so the newest completed entry proves every older one complete. Every 64th operation the
 //!   enqueueing thread runs the first half of a look itself (NCCL's error, then what completed
-//!   leaves the queue), under the same rules, so that few tracking events wait in the queue. A panic in a look aborts
-//!   that communicator; should the thread end, every communicator's next call and every new
-//!   communicator fail. When the event after an NCCL operation cannot be recorded, its
+//!   leaves the queue), under the same rules, so that few tracking events wait in the queue. A
+//!   panic in a look, or in that part of one, aborts that communicator; should the thread end,
+//!   every communicator's next call and every new communicator fail. When the event after an NCCL operation cannot be recorded, its
 //!   communicators are aborted before the host waits for the stream. Tests:
 //!   `tests/soundness.rs` (a stuck receive, a long kernel before a transfer, one thread driving
 //!   two ranks); `tests/reliability.rs` (a killed peer); the watchdog's CPU tests (a fake GPU

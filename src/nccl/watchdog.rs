@@ -345,20 +345,26 @@ fn trim_with(shared: &Shared, gpu: &impl Gpu) {
 }
 
 /// The first half of a look (see the module documentation): NCCL's error, then what has
-/// completed is dropped (NCCL's error asked again first). Returns the state, locked, unless the communicator broke (or is busy).
-/// No event is queried with the lock held.
-/// `lock` takes the state if the communicator is live (the watchdog's only if it is free).
+/// completed is dropped (NCCL's error asked again first). Returns the state, locked, unless
+/// the communicator broke (or is busy). No event is queried with the lock held. `lock` takes
+/// the state if the communicator is live (the watchdog's only if it is free).
 fn drain<'s>(
     shared: &'s Shared,
     gpu: &impl Gpu,
     lock: impl Fn(&'s Shared) -> Option<MutexGuard<'s, State>>,
 ) -> Option<MutexGuard<'s, State>> {
+    // Breaks the communicator on NCCL's error: kernels it ended early have completed events,
+    // which must not be taken for work that completed.
+    let broke = |state: &mut MutexGuard<'s, State>| match gpu.comm_error(state.raw) {
+        Some(e) => {
+            let reason = format!("the watchdog found an NCCL error on rank {}: {e}", shared.rank);
+            state.break_with(reason, shared.ordinal, Cut::All);
+            true
+        }
+        None => false,
+    };
     let mut state = lock(shared)?;
-    // NCCL's error first: kernels it ended early have completed events, which must not be
-    // taken for work that completed.
-    if let Some(e) = gpu.comm_error(state.raw) {
-        let reason = format!("the watchdog found an NCCL error on rank {}: {e}", shared.rank);
-        state.break_with(reason, shared.ordinal, Cut::All);
+    if broke(&mut state) {
         return None;
     }
     let probes = probes(&state.pending);
@@ -367,11 +373,8 @@ fn drain<'s>(
         let done = newest_complete(&probes, gpu);
         state = lock(shared)?;
         // Asked again before anything is dropped: an error that came while the events were
-        // queried (and ended kernels early, completing their events) would otherwise let
-        // cut-short work leave the queue as complete, unpoisoned.
-        if let Some(e) = gpu.comm_error(state.raw) {
-            let reason = format!("the watchdog found an NCCL error on rank {}: {e}", shared.rank);
-            state.break_with(reason, shared.ordinal, Cut::All);
+        // queried would otherwise let cut-short work leave the queue as complete, unpoisoned.
+        if broke(&mut state) {
             return None;
         }
         if let Some(done) = done {
