@@ -592,13 +592,15 @@ mod tests {
     }
 
     /// The enqueueing thread's trim: one look's drain every `TRIM_EVERY` operations, none in
-    /// between, and nothing while the queue is short (the GPU keeping up).
+    /// between.
     #[test]
     fn the_enqueuers_trim_keeps_a_completed_queue_short_without_the_watchdog() {
         let s = shared(true);
         let gpu = Fake::new(&s, usize::MAX);
-        let mut longest = 0;
-        for e in 1..=10 * TRIM_EVERY as usize {
+        // Queues the operation whose event is numbered `e` and trims if due, as
+        // `Communicator::note_pending_from` and its caller do; returns the queue's length
+        // before the trim.
+        let enqueue = |e: usize| {
             let (seq, queued) = {
                 let mut state = s.lock();
                 let seq = state.push_pending(device().fake_event(e), Default::default());
@@ -607,7 +609,11 @@ mod tests {
             if trim_due(seq, queued) {
                 trim_with(&s, &gpu);
             }
-            longest = longest.max(queued);
+            queued
+        };
+        let mut longest = 0;
+        for e in 1..=10 * TRIM_EVERY as usize {
+            longest = longest.max(enqueue(e));
         }
         assert!(seqs(&s).is_empty(), "the last trim left {:?}", seqs(&s));
         assert_eq!(
@@ -622,14 +628,7 @@ mod tests {
         // A queue still running is trimmed of what completed, and no more.
         gpu.done.set(10 * TRIM_EVERY as usize + TRIM_EVERY as usize / 2);
         for e in 10 * TRIM_EVERY as usize + 1..=11 * TRIM_EVERY as usize {
-            let (seq, queued) = {
-                let mut state = s.lock();
-                let seq = state.push_pending(device().fake_event(e), Default::default());
-                (seq, state.pending.len())
-            };
-            if trim_due(seq, queued) {
-                trim_with(&s, &gpu);
-            }
+            enqueue(e);
         }
         let left = seqs(&s);
         assert!(!left.is_empty() && left.len() < TRIM_EVERY as usize, "{left:?}");
