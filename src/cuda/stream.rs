@@ -243,9 +243,9 @@ impl Stream {
         self.check_not_captured_elsewhere()?;
         let out = op(self.raw)?;
         let recorded = record_and_store(
-            std::slice::from_mut(&mut held),
+            &mut held,
             || self.record_event(),
-            |held, e| self.note_recorded(&mut held[0], e, false),
+            |held, e| self.note_recorded(held, e, false),
         );
         if recorded.is_err() {
             // Without the event, wait for the work instead, as the engine does.

@@ -90,7 +90,7 @@ pub(crate) struct PooledEvent {
     poison: OnceCell<String>,
     /// The communicator whose work this event follows, asked at a host read whether that work
     /// may have been cut short since (an NCCL error its watchdog has not yet seen).
-    origin: OnceCell<Arc<dyn Origin>>,
+    origin: Mutex<Option<Arc<dyn Origin>>>,
     /// Recorded by a graph's replays on the GPU (an event record node, see [`crate::Graph`]),
     /// not by the host: it stands for the latest replay launched so far, which changes at each
     /// launch. Every holder that keeps it past a launch must mean "the latest replay" (the
@@ -135,8 +135,13 @@ impl PooledEvent {
     }
 
     /// Says which communicator's work this event follows.
-    pub(crate) fn set_origin(&self, origin: Arc<dyn Origin>) {
-        let _ = self.origin.set(origin);
+    pub(crate) fn set_origin(&self, origin: &Arc<dyn Origin>) {
+        // A lock, not a `OnceLock`: set at every operation, where a once-cell's state machine
+        // costs several times an uncontended lock.
+        let mut o = self.origin.lock().unwrap_or_else(|p| p.into_inner());
+        if o.is_none() {
+            *o = Some(origin.clone());
+        }
     }
 
     /// Whether a graph's replays record this event (see `replayed`), not the host.
@@ -150,10 +155,8 @@ impl PooledEvent {
         if let Some(p) = self.poison.get() {
             return Some(p.clone());
         }
-        self.origin
-            .get()?
-            .failure()
-            .or_else(|| self.poison.get().cloned())
+        let origin = self.origin.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        origin?.failure().or_else(|| self.poison.get().cloned())
     }
 }
 
@@ -289,7 +292,7 @@ impl Device {
             raw: raw as cudaEvent_t,
             fake: true,
             poison: OnceCell::new(),
-            origin: OnceCell::new(),
+            origin: Mutex::new(None),
             replayed,
         })
     }
@@ -318,7 +321,7 @@ impl Device {
             #[cfg(test)]
             fake: false,
             poison: OnceCell::new(),
-            origin: OnceCell::new(),
+            origin: Mutex::new(None),
             replayed,
         });
         pool.push_back(e.clone());
@@ -348,7 +351,7 @@ fn take_idle(pool: &mut VecDeque<Arc<PooledEvent>>, replayed: bool) -> Option<Ar
             // cudaStreamWaitEvent captured the state of each record at the time it was called,
             // and a host wait that read it has returned (nothing else holds it).
             idle.poison = OnceCell::new();
-            idle.origin = OnceCell::new();
+            *idle.origin.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
             idle.replayed = replayed;
             pool.push_back(e.clone());
             return Some(e);

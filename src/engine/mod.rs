@@ -194,6 +194,43 @@ pub(crate) fn enqueue_replay<R>(
     enqueue_with(uses, work, Some(replay), submit, recorded)
 }
 
+/// One distinct stream of the operation being queued, with its order held and what the engine
+/// keeps for it until the end.
+struct OnStream<'s> {
+    stream: &'s Stream,
+    held: Held<'s, StreamState>,
+    /// Whether some use's event is recorded here (a record stream).
+    records: bool,
+    /// The event to record here after the work, taken before it is submitted.
+    event: Option<Arc<PooledEvent>>,
+    /// For NCCL work recorded here: what its uses' streams ran (and are made to wait for)
+    /// before it.
+    before: Before,
+}
+
+/// One distinct buffer of the operation, its tracker locked.
+struct OnTracker<'t> {
+    tracked: &'t Tracked,
+    uses: MutexGuard<'t, UseTracker<Arc<PooledEvent>>>,
+}
+
+/// The entry of `s` among the operation's streams (few: a linear scan).
+fn on<'a, 's>(streams: &'a mut [OnStream<'s>], s: &Stream) -> &'a mut OnStream<'s> {
+    streams
+        .iter_mut()
+        .find(|o| std::ptr::eq(o.stream, s))
+        .expect("listed")
+}
+
+/// The locked tracker of `t` among the operation's buffers.
+fn tracker<'a, 't>(trackers: &'a mut [OnTracker<'t>], t: &Tracked) -> &'a mut UseTracker<Arc<PooledEvent>> {
+    &mut trackers
+        .iter_mut()
+        .find(|o| Tracked::same(o.tracked, t))
+        .expect("listed")
+        .uses
+}
+
 fn enqueue_with<R>(
     uses: &[TrackedUse<'_>],
     work: Work<'_>,
@@ -205,54 +242,63 @@ fn enqueue_with<R>(
     // Each distinct stream once, in stream-id order, the order their locks are taken in, so
     // that threads queueing on overlapping streams cannot deadlock (few uses: linear scans).
     // Record streams are among them.
-    let mut streams: SmallVec<[&Stream; 4]> = SmallVec::new();
+    let mut ids: SmallVec<[&Stream; 4]> = SmallVec::new();
     for u in uses {
-        if !streams.iter().any(|s| std::ptr::eq(*s, u.stream)) {
-            streams.push(u.stream);
+        if !ids.iter().any(|s| std::ptr::eq(*s, u.stream)) {
+            ids.push(u.stream);
         }
     }
-    streams.as_mut_slice().sort_unstable_by_key(|s| s.id());
-    let index = |s: &Stream| streams.iter().position(|t| std::ptr::eq(*t, s)).expect("listed");
-    let mut held: SmallVec<[Held<'_, StreamState>; 4]> = SmallVec::new();
-    for s in streams.iter() {
-        held.push(s.order().hold());
+    if !ids.is_sorted_by_key(|s| s.id()) {
+        ids.as_mut_slice().sort_unstable_by_key(|s| s.id());
     }
-    let capturing = held.iter().any(|h| h.capture.is_some());
-    if capturing {
-        let first = held
-            .iter()
-            .flat_map(|h| h.capture.as_ref())
-            .next()
-            .expect("capturing");
-        if !held
-            .iter()
-            .all(|h| h.capture.as_ref().is_some_and(|c| CaptureState::same(c, first)))
-        {
-            return Err(capture_error(SPANNING));
+    let mut streams: SmallVec<[OnStream<'_>; 4]> = SmallVec::new();
+    for &stream in &ids {
+        streams.push(OnStream {
+            stream,
+            held: stream.order().hold(),
+            records: uses.iter().any(|u| std::ptr::eq(u.record, stream)),
+            event: None,
+            before: Before::new(),
+        });
+    }
+    let mut captures = streams.iter().filter_map(|o| o.held.capture.as_ref());
+    let capturing = match captures.next() {
+        None => false,
+        Some(first) => {
+            if streams.iter().any(|o| {
+                o.held
+                    .capture
+                    .as_ref()
+                    .is_none_or(|c| !CaptureState::same(c, first))
+            }) {
+                return Err(capture_error(SPANNING));
+            }
+            true
         }
-    }
+    };
     if !capturing {
-        for s in streams.iter() {
-            s.check_not_captured_elsewhere()?;
+        for o in &streams {
+            o.stream.check_not_captured_elsewhere()?;
         }
     }
     // Each distinct tracker once, locked in key order (a graph's are sorted already).
-    let mut trackers: SmallVec<[&Tracked; 8]> = SmallVec::new();
+    let mut keys: SmallVec<[&Tracked; 8]> = SmallVec::new();
     for u in uses {
-        if !trackers.iter().any(|t| Tracked::same(t, u.tracked)) {
-            trackers.push(u.tracked);
+        if !keys.iter().any(|t| Tracked::same(t, u.tracked)) {
+            keys.push(u.tracked);
         }
     }
-    if !trackers.is_sorted_by_key(|t| t.key()) {
-        trackers.as_mut_slice().sort_unstable_by_key(|t| t.key());
+    if !keys.is_sorted_by_key(|t| t.key()) {
+        keys.as_mut_slice().sort_unstable_by_key(|t| t.key());
     }
-    let mut locked: SmallVec<[MutexGuard<'_, UseTracker<Arc<PooledEvent>>>; 8]> = SmallVec::new();
-    for t in trackers.iter() {
-        locked.push(t.lock());
+    let mut trackers: SmallVec<[OnTracker<'_>; 8]> = SmallVec::new();
+    for &tracked in &keys {
+        trackers.push(OnTracker {
+            tracked,
+            uses: tracked.lock(),
+        });
     }
-    let slot = |t: &Tracked| trackers.iter().position(|u| Tracked::same(u, t)).expect("listed");
-    let tracker = |t: &Tracked| locked.get(slot(t)).expect("locked");
-    if locked.iter().any(|t| t.is_retired()) {
+    if trackers.iter().any(|t| t.uses.is_retired()) {
         return Err(Error::InvalidArgument(
             "a buffer this graph uses has been dropped: the graph cannot run again (capture a \
              new one, or keep its buffers while it is used)"
@@ -263,19 +309,22 @@ fn enqueue_with<R>(
         if replay.is_some() {
             return Err(not_capturable("launching a graph"));
         }
-        let state = held.first().and_then(|h| h.capture.as_ref()).expect("capturing");
-        return capture(uses, work, &streams, state, submit);
+        let state = streams
+            .first()
+            .and_then(|o| o.held.capture.as_ref())
+            .expect("capturing");
+        return capture(uses, work, &ids, state, submit);
     }
-    // Per record stream, what its uses' streams ran (and are made to wait for) before.
-    let mut before: SmallVec<[Before; 4]> = SmallVec::new();
+    // Per record stream, what its uses' streams ran before: each stream's newest tracked work,
+    // once.
     if nccl {
-        for _ in streams.iter() {
-            before.push(Before::default());
-        }
         for u in uses {
-            let b = before.get_mut(index(u.record)).expect("one per stream");
-            if let Some(e) = &held.get(index(u.stream)).expect("held").last {
-                b.push(e.clone());
+            let Some(last) = on(&mut streams, u.stream).held.last.clone() else {
+                continue;
+            };
+            let b = &mut on(&mut streams, u.record).before;
+            if !b.iter().any(|e| Arc::ptr_eq(e, &last)) {
+                b.push(last);
             }
         }
     }
@@ -287,48 +336,44 @@ fn enqueue_with<R>(
     // is queued on one stream) is made current just before it is submitted. A new tracking
     // event is made on its device by the pool.
     for u in uses {
-        let sink = before.get_mut(index(u.record));
-        u.stream.wait_for_conflicts(tracker(u.tracked), u.access, sink)?;
+        let t = tracker(&mut trackers, u.tracked);
+        let sink = nccl.then(|| &mut on(&mut streams, u.record).before);
+        u.stream.wait_for_conflicts(t, u.access, sink)?;
     }
     if nccl {
-        exact_before(uses, &streams, &mut before, replay.map(|r| r.event))?;
+        exact_before(uses, &mut streams, replay.map(|r| r.event))?;
     }
     // The events to record after the work, taken before it is submitted: an event that cannot
     // be made fails the operation before anything is queued.
-    let is_record = |s: &Stream| uses.iter().any(|u| std::ptr::eq(u.record, s));
-    let mut events: SmallVec<[Option<Arc<PooledEvent>>; 4]> = SmallVec::new();
-    for s in streams.iter() {
-        let host_record = match replay {
-            None => true,
-            Some(r) => r.checkpoint,
-        };
-        events.push(if is_record(s) && host_record {
-            Some(s.device().take_event()?)
-        } else {
-            None
-        });
+    let host_record = replay.is_none_or(|r| r.checkpoint);
+    for o in streams.iter_mut().filter(|o| o.records && host_record) {
+        o.event = Some(o.stream.device().take_event()?);
     }
     let mut current = CurrentDevice::default();
-    if let (false, Some(s)) = (nccl, streams.first()) {
-        current.set(s.device())?;
+    if let (false, Some(o)) = (nccl, streams.first()) {
+        current.set(o.stream.device())?;
     }
     let out = submit(&mut current);
     let mut failed = None;
-    for (i, s) in streams.iter().enumerate() {
-        let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, *s));
-        if let Some(r) = replay.filter(|_| is_record(s)) {
+    for i in 0..streams.len() {
+        let s = streams[i].stream;
+        if !streams[i].records {
+            continue;
+        }
+        let mine = || uses.iter().filter(|u| std::ptr::eq(u.record, s));
+        if let Some(r) = replay {
             // Recorded by the replay itself, on the GPU: stored now, under the locks, with no
             // call. Each launch stores it again, so wherever it is stored it means the latest
             // replay (see `PooledEvent::replayed`).
             for v in mine() {
-                let t = locked.get_mut(slot(v.tracked)).expect("locked");
-                t.record(v.stream.id(), v.access, r.event.clone());
+                tracker(&mut trackers, v.tracked).record(v.stream.id(), v.access, r.event.clone());
             }
-            s.note_recorded(held.get_mut(i).expect("held"), r.event, nccl);
+            let o = &mut streams[i];
+            s.note_recorded(&mut o.held, r.event, nccl);
             // The checkpoint, if one is due; without it (or if it cannot be recorded) the
             // watchdog watches the replay through the graph's event, which is exact enough
             // for it (see the watchdog's deadline over replays).
-            let watched = match events.get_mut(i).and_then(Option::take) {
+            let watched = match o.event.take() {
                 Some(event) => match s.record_pooled(event) {
                     Ok(event) => event,
                     Err(e) => {
@@ -338,30 +383,29 @@ fn enqueue_with<R>(
                 },
                 None => r.event.clone(),
             };
-            recorded(s, &watched, take_before(&mut before, i));
+            recorded(s, &watched, std::mem::take(&mut o.before));
             continue;
         }
-        let Some(event) = events.get_mut(i).and_then(Option::take) else {
+        let Some(event) = streams[i].event.take() else {
             continue;
         };
         let stored = record_and_store(
-            &mut held,
+            &mut streams,
             || s.record_pooled(event),
-            |held, event| {
+            |streams, event| {
                 for v in mine() {
-                    let t = locked.get_mut(slot(v.tracked)).expect("locked");
-                    t.record(v.stream.id(), v.access, event.clone());
+                    tracker(&mut trackers, v.tracked).record(v.stream.id(), v.access, event.clone());
                 }
                 // Once per stream the event follows work of.
-                for (t, h) in streams.iter().zip(held.iter_mut()) {
-                    if mine().any(|v| std::ptr::eq(v.stream, *t)) {
-                        t.note_recorded(h, event, nccl);
+                for o in streams.iter_mut() {
+                    if mine().any(|v| std::ptr::eq(v.stream, o.stream)) {
+                        o.stream.note_recorded(&mut o.held, event, nccl);
                     }
                 }
             },
         );
         match stored {
-            Ok(event) => recorded(s, &event, take_before(&mut before, i)),
+            Ok(event) => recorded(s, &event, std::mem::take(&mut streams[i].before)),
             Err(e) => {
                 // The work is queued but untracked. Once it has completed it needs no tracking,
                 // and the trackers' older entries stay correct, so the host waits for it here,
@@ -391,11 +435,6 @@ fn enqueue_with<R>(
     }
 }
 
-/// Record stream `i`'s [`Before`] list, handed over (empty for CUDA work, which has none).
-fn take_before(before: &mut [Before], i: usize) -> Before {
-    before.get_mut(i).map(std::mem::take).unwrap_or_default()
-}
-
 /// Makes every [`Before`] list hold only fixed points of streams, as the watchdog's deadline
 /// needs (an operation's deadline counts from when its list has completed). A graph's event
 /// (`PooledEvent::is_replayed`) is not one: it stands for that graph's latest replay, and a
@@ -410,28 +449,26 @@ fn take_before(before: &mut [Before], i: usize) -> Before {
 ///   exactly when everything the operation waits behind there has.
 fn exact_before(
     uses: &[TrackedUse<'_>],
-    streams: &[&Stream],
-    before: &mut SmallVec<[Before; 4]>,
+    streams: &mut [OnStream<'_>],
     own: Option<&Arc<PooledEvent>>,
 ) -> Result<()> {
     let is_own = |e: &Arc<PooledEvent>| own.is_some_and(|o| Arc::ptr_eq(o, e));
-    for (i, r) in streams.iter().enumerate() {
-        let Some(b) = before.get_mut(i) else {
-            continue;
-        };
+    for i in 0..streams.len() {
+        let r = streams[i].stream;
+        let b = &streams[i].before;
         if b.iter().any(|e| e.is_replayed() && !is_own(e)) {
             let mut marks = Before::default();
-            for s in streams {
+            for o in streams.iter() {
                 if uses
                     .iter()
-                    .any(|u| std::ptr::eq(u.record, *r) && std::ptr::eq(u.stream, *s))
+                    .any(|u| std::ptr::eq(u.record, r) && std::ptr::eq(u.stream, o.stream))
                 {
-                    marks.push(s.record_event()?);
+                    marks.push(o.stream.record_event()?);
                 }
             }
-            *b = marks;
+            streams[i].before = marks;
         } else if b.iter().any(is_own) {
-            *b = b.iter().filter(|e| !is_own(e)).cloned().collect();
+            streams[i].before = b.iter().filter(|e| !is_own(e)).cloned().collect();
         }
     }
     Ok(())

@@ -225,10 +225,10 @@ impl<T> CapturedUses<T> {
 /// Runs `record`, then `store` with what it returned, while the caller holds the orders of the
 /// streams it records on and stores for (`held`, which `store` may update): no other recording
 /// on those streams comes in between.
-pub(crate) fn record_and_store<E, X, S>(
-    held: &mut [Held<'_, S>],
+pub(crate) fn record_and_store<E, X, H: ?Sized>(
+    held: &mut H,
     record: impl FnOnce() -> Result<E, X>,
-    store: impl FnOnce(&mut [Held<'_, S>], &E),
+    store: impl FnOnce(&mut H, &E),
 ) -> Result<E, X> {
     let event = record()?;
     store(held, &event);

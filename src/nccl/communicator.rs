@@ -624,7 +624,7 @@ impl Communicator {
         before: Before,
         origin: &Arc<dyn Origin>,
     ) -> bool {
-        event.set_origin(origin.clone());
+        event.set_origin(origin);
         let mut state = self.shared.lock();
         if let Some(reason) = &state.broken {
             // Broken between posting and now: the work may have been cut short.
