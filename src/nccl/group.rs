@@ -16,6 +16,7 @@ use crate::nccl::communicator::{Communicator, usable};
 use crate::nccl::fp8::{self, Use};
 use crate::nccl::state::{Cut, State};
 use crate::nccl::types::NcclType;
+use crate::nccl::verify::local::{self, LocalRank};
 use crate::nccl::verify::model::{self, Call};
 use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, P2P, REGISTERED};
 use crate::nccl::verify::{self, CollOps, Failure, PairOps};
@@ -126,7 +127,36 @@ impl Op<'_> {
 }
 
 /// One send or receive NCCL will queue: `(communicator, peer, direction, description)`.
-type Queued<'a> = (&'a Communicator, usize, Dir, OpDesc);
+type Queued<'a> = local::Queued<&'a Communicator>;
+
+impl LocalRank for &Communicator {
+    fn rank(self) -> usize {
+        Communicator::rank(self)
+    }
+    fn world(self) -> usize {
+        self.world_size()
+    }
+    fn key(self) -> usize {
+        Communicator::key(self)
+    }
+    fn drives_all(self) -> bool {
+        self.clique.is_some()
+    }
+    fn is_rank(self, other: Self, peer: usize) -> bool {
+        if peer == Communicator::rank(self) {
+            return std::ptr::eq(self, other);
+        }
+        Communicator::rank(other) == peer
+            && matches!((&self.clique, &other.clique), (Some(a), Some(b)) if std::sync::Arc::ptr_eq(a, b))
+    }
+}
+
+impl Communicator {
+    /// Whether this thread drives rank `peer` too: itself, or a rank of the same `init_all`.
+    fn drives(&self, peer: usize) -> bool {
+        peer == self.rank() || self.clique.is_some()
+    }
+}
 
 /// What NCCL's registered send/receive path depends on for `tracked`'s memory moved by `comm`
 /// with `peer` (see `wire::NCCL_MEMORY` and `wire::REGISTERED`): nothing with oneself, which
@@ -407,115 +437,16 @@ impl<'a> Group<'a> {
         self.firsts.iter().map(|(c, _)| *c)
     }
 
-    /// Collectives between ranks of one `init_all` (driven by one thread) must all be in this
-    /// group, the same sequence on every rank: NCCL would otherwise wait forever for a rank the
-    /// thread would only get to later.
-    fn check_local_collectives(&self) -> Result<()> {
-        for c in self.comms() {
-            let Some(clique) = c.clique.as_ref() else { continue };
-            let seq = |of: Option<&'a Communicator>| {
-                self.colls
-                    .iter()
-                    .filter(move |o| of.is_some_and(|of| std::ptr::eq(o.comm, of)))
-                    .map(|o| o.desc)
-            };
-            if seq(Some(c)).next().is_none() {
-                continue;
-            }
-            for r in 0..c.world_size() {
-                let other = self.comms().find(|d| {
-                    d.rank() == r
-                        && d.clique
-                            .as_ref()
-                            .is_some_and(|k| std::sync::Arc::ptr_eq(k, clique))
-                });
-                if !seq(other).eq(seq(Some(c))) {
-                    let list = |of| {
-                        seq(of)
-                            .map(|d: CollDesc| d.describe())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    };
-                    return Err(Error::InvalidArgument(format!(
-                        "rank {}'s collectives [{}] and rank {r}'s [{}] in this group differ: ranks \
-                         made together by Communicator::init_all are driven by one thread, so \
-                         every one of them posts the same collectives in one group",
-                        c.rank(),
-                        list(Some(c)),
-                        list(other)
-                    )));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// The communicator of rank `peer` made by the same `init_all` as `comm`, in this group.
-    fn local_peer(&self, comm: &Communicator, peer: usize) -> Option<&'a Communicator> {
-        if peer == comm.rank() {
-            return Some(self.all().find(|(c, _)| std::ptr::eq(*c, comm))?.0);
-        }
-        let clique = comm.clique.as_ref()?;
-        self.all().map(|(c, _)| c).find(|c| {
-            c.rank() == peer
-                && c.clique
-                    .as_ref()
-                    .is_some_and(|k| std::sync::Arc::ptr_eq(k, clique))
-        })
-    }
-
-    /// Operations whose counterpart must be in this group (sends to oneself, and between ranks
-    /// of one `init_all`, which one thread drives), collectives' parts included, are matched
-    /// here, before anything is published or posted, whether or not the communicator verifies:
-    /// NCCL would otherwise wait forever for the other half, or pair it with another operation.
+    /// Operations whose counterpart must be in this group (sends to oneself, and anything
+    /// between ranks of one `init_all`, which one thread drives), collectives' parts included,
+    /// matched here, before anything is published or posted, whether or not the communicator
+    /// verifies (see [`local`]); verification leaves them out.
     fn check_local(&self, queued: &[Queued<'a>]) -> Result<()> {
-        // Each pair once (as (from, to) with the lower key first).
-        let mut checked: SmallVec<[(usize, usize); 4]> = SmallVec::new();
-        for &(comm, peer, dir, _) in queued {
-            let me = comm.rank();
-            if peer != me && comm.clique.is_none() {
-                continue;
-            }
-            let Some(other) = self.local_peer(comm, peer) else {
-                return Err(Error::InvalidArgument(format!(
-                    "rank {me} {} rank {peer}, made by the same Communicator::init_all, outside \
-                     a group that holds rank {peer}'s counterpart: ranks made together are \
-                     driven by one thread, so put the send and the receive in one group (or make \
-                     each rank with Communicator::new on its own thread)",
-                    if dir == Dir::Send {
-                        "sends to"
-                    } else {
-                        "receives from"
-                    }
-                )));
-            };
-            let pair = (comm.key().min(other.key()), comm.key().max(other.key()));
-            if checked.contains(&pair) {
-                continue;
-            }
-            checked.push(pair);
-            let side = |from: &'a Communicator, to: usize, d: Dir| {
-                queued
-                    .iter()
-                    .filter(move |&&(c, p, e, _)| std::ptr::eq(c, from) && p == to && e == d)
-                    .map(|&(.., desc)| desc)
-            };
-            // Both directions of the pair: my sends with its receives, its sends with mine.
-            for (from, to, a, b) in [(comm, other, me, peer), (other, comm, peer, me)] {
-                if !side(from, b, Dir::Send).eq(side(to, a, Dir::Recv)) {
-                    let list = |l: &mut dyn Iterator<Item = OpDesc>| {
-                        l.map(|d| d.describe()).collect::<Vec<_>>().join("; ")
-                    };
-                    return Err(Error::InvalidArgument(format!(
-                        "rank {a}'s sends to rank {b} [{}] and rank {b}'s receives from rank {a} \
-                         [{}], in the order NCCL queues them (collectives' parts included), must \
-                         match one to one in the same group, or NCCL waits forever or writes past \
-                         a receive",
-                        list(&mut side(from, b, Dir::Send)),
-                        list(&mut side(to, a, Dir::Recv))
-                    )));
-                }
-            }
+        let members: SmallVec<[&'a Communicator; 2]> = self.comms().collect();
+        local::match_pairs(&members, queued).map_err(Error::InvalidArgument)?;
+        if self.colls.iter().any(|o| o.comm.clique.is_some()) {
+            let colls: SmallVec<[_; 4]> = self.colls.iter().map(|o| (o.comm, o.desc)).collect();
+            local::match_collectives(&members, &colls).map_err(Error::InvalidArgument)?;
         }
         Ok(())
     }
@@ -525,7 +456,10 @@ impl<'a> Group<'a> {
     fn verify(&self, comms: &[&'a Communicator], queued: &[Queued<'a>]) -> Result<()> {
         let mut pairs: SmallVec<[PairOps<'_>; 2]> = SmallVec::new();
         for &(comm, peer, dir, desc) in queued {
-            let Some(boxes) = &comm.boxes else { continue };
+            // Local operations are matched already, within the group (`check_local`).
+            let Some(boxes) = comm.boxes.as_ref().filter(|_| !comm.drives(peer)) else {
+                continue;
+            };
             let i = match pairs
                 .iter()
                 .position(|p| std::ptr::eq(p.boxes, boxes) && p.peer == peer)
@@ -537,7 +471,6 @@ impl<'a> Group<'a> {
                         peer,
                         sends: SmallVec::new(),
                         recvs: SmallVec::new(),
-                        local: peer == comm.rank() || comm.clique.is_some(),
                         timeout: comm.timeout(),
                     });
                     pairs.len() - 1
@@ -552,13 +485,14 @@ impl<'a> Group<'a> {
         }
         let mut colls: SmallVec<[CollOps<'_>; 1]> = SmallVec::new();
         for op in &self.colls {
-            let Some(boxes) = &op.comm.boxes else { continue };
+            let Some(boxes) = op.comm.boxes.as_ref().filter(|_| op.comm.clique.is_none()) else {
+                continue;
+            };
             match colls.iter_mut().find(|c| std::ptr::eq(c.boxes, boxes)) {
                 Some(c) => c.ops.push(op.desc),
                 None => colls.push(CollOps {
                     boxes,
                     ops: smallvec![op.desc],
-                    local: op.comm.clique.is_some(),
                     timeout: op.comm.timeout(),
                 }),
             }
@@ -572,7 +506,6 @@ impl<'a> Group<'a> {
         };
         let e = match failure {
             Failure::Mismatch(detail) => Error::Mismatch { detail },
-            Failure::Missing(detail) => Error::InvalidArgument(detail),
             Failure::PeerBroken(peer) => Error::PeerBroken { peer },
             Failure::Timeout { peer, waited, what } => Error::Timeout {
                 what: format!("waiting for rank {peer}'s counterpart ({what}; waited {waited:?})"),
@@ -600,7 +533,6 @@ impl<'a> Group<'a> {
         // What NCCL will queue, expanded once for the checks and verification.
         let queued = self.queued();
         self.check_local(&queued)?;
-        self.check_local_collectives()?;
         self.verify(&comms, &queued)?;
         // Verified: each operation is now in the peers' order. From here until NCCL has the
         // group, any failure (or panic) must break every communicator of the group, or their

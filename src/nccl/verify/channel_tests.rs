@@ -149,7 +149,6 @@ fn with<'a>(
         peer,
         sends: sends.iter().map(op).collect(),
         recvs: recvs.iter().map(op).collect(),
-        local: false,
         timeout,
     }
 }
@@ -196,7 +195,6 @@ fn operations_and_collectives_are_checked_through_mirrors_and_a_mismatch_fails_b
                 &[CollOps {
                     boxes,
                     ops: v.into(),
-                    local: false,
                     timeout: 5 * SECOND,
                 }],
             )
@@ -248,7 +246,6 @@ fn four_ranks_agree_on_collectives_and_a_ring_of_sends_and_all_refuse_a_differen
                     let c = |count: u64| CollOps {
                         boxes: &b,
                         ops: [coll(count)].into_iter().collect(),
-                        local: false,
                         timeout: 5 * SECOND,
                     };
                     // Past the ring, one collective per group, with a send round the ring

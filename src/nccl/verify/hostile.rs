@@ -510,13 +510,11 @@ fn verification_against_a_hostile_peer_ends_within_its_timeout() {
                 peer: 1,
                 sends: sends.iter().map(|&c| op(c)).collect(),
                 recvs: recvs.iter().map(|&c| op(c)).collect(),
-                local: false,
                 timeout,
             };
             let c = CollOps {
                 boxes: &boxes,
                 ops: smallvec::smallvec![coll; colls],
-                local: false,
                 timeout,
             };
             let t = Instant::now();
@@ -528,7 +526,6 @@ fn verification_against_a_hostile_peer_ends_within_its_timeout() {
                 Err(Failure::Mismatch(_)) => "mismatch",
                 Err(Failure::Timeout { .. }) => "timeout",
                 Err(Failure::PeerBroken(_)) => "peer broken",
-                Err(Failure::Missing(_)) => "missing",
             };
             *outcomes.borrow_mut().entry(kind).or_default() += 1;
             Ok(())

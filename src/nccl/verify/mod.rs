@@ -17,8 +17,8 @@
 //!
 //! A rank's own sends to itself, and operations between ranks made together by
 //! [`Communicator::init_all`](crate::Communicator::init_all) (driven by one thread), must have
-//! their counterparts in the same group: they are checked within it, and a missing one is an
-//! error at once, never a wait.
+//! their counterparts in the same group: they are matched within it ([`local`], verified or
+//! not), a missing one is an error at once, never a wait, and nothing of theirs is published.
 
 mod auth;
 mod channel;
@@ -26,6 +26,7 @@ mod channel;
 mod channel_tests;
 #[cfg(test)]
 mod hostile;
+pub(crate) mod local;
 pub(crate) mod mailbox;
 pub(crate) mod model;
 pub mod rehearsal;
@@ -82,9 +83,6 @@ pub(crate) struct PairOps<'a> {
     pub(crate) peer: usize,
     pub(crate) sends: SmallVec<[OpDesc; 4]>,
     pub(crate) recvs: SmallVec<[OpDesc; 4]>,
-    /// The peer's operations come from this same group (itself, or a rank of the same
-    /// `init_all`): a missing counterpart is an error at once.
-    pub(crate) local: bool,
     /// The deadline of waiting for the peer (the communicator's timeout).
     pub(crate) timeout: Duration,
 }
@@ -94,8 +92,6 @@ pub(crate) struct PairOps<'a> {
 pub(crate) struct CollOps<'a> {
     pub(crate) boxes: &'a Mailboxes,
     pub(crate) ops: SmallVec<[CollDesc; 2]>,
-    /// The other ranks' collectives come from this same group (ranks of one `init_all`).
-    pub(crate) local: bool,
     pub(crate) timeout: Duration,
 }
 
@@ -165,8 +161,6 @@ fn coll_finished(c: &CollOps<'_>, d: &CollDone) -> bool {
 pub(crate) enum Failure {
     /// The two sides disagree (both ranks see this).
     Mismatch(String),
-    /// A counterpart that must be in this group is not.
-    Missing(String),
     /// The peer's communicator broke while this rank waited for it.
     PeerBroken(usize),
     /// The peer did not post the counterpart in time.
@@ -197,13 +191,13 @@ impl<'a> Links<'a> {
                 links.push((c, r));
             }
         };
-        for p in pairs.iter().filter(|p| !p.local) {
+        for p in pairs {
             match channel::of(p.boxes.mine()).filter(|c| c.reaches(p.peer)) {
                 Some(c) => add(c, p.peer),
                 None => all_remote = false,
             }
         }
-        for c in colls.iter().filter(|c| !c.local) {
+        for c in colls {
             match channel::of(c.boxes.mine()) {
                 Some(ch) => {
                     all_remote &= ch.remote_count() + 1 == c.boxes.regions.len();
@@ -317,9 +311,9 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
             }
             let broken_pair = pairs
                 .iter()
-                .find(|p| !p.local && p.boxes.regions[p.peer].status() == BROKEN)
+                .find(|p| p.boxes.regions[p.peer].status() == BROKEN)
                 .map(|p| p.peer);
-            let broken_coll = colls.iter().filter(|c| !c.local).find_map(|c| {
+            let broken_coll = colls.iter().find_map(|c| {
                 (0..c.boxes.regions.len())
                     .find(|&r| r != c.boxes.rank && c.boxes.regions[r].status() == BROKEN)
             });
@@ -342,9 +336,6 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
         for (p, d) in pairs.iter().zip(&done) {
             if pair_finished(p, d) {
                 continue;
-            }
-            if p.local {
-                return Err(Failure::Missing(pending(p, d)));
             }
             if p.boxes.regions[p.peer].status() == BROKEN {
                 // What the peer published before it broke is visible now (its status is read
@@ -374,9 +365,6 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
                 ),
                 None => "the other ranks have not yet checked this rank's earlier collectives".into(),
             };
-            if c.local {
-                return Err(Failure::Missing(what()));
-            }
             let broken =
                 (0..c.boxes.regions.len()).find(|&r| r != me && c.boxes.regions[r].status() == BROKEN);
             if let Some(r) = broken {
@@ -452,17 +440,15 @@ fn pending(p: &PairOps<'_>, d: &Done) -> String {
     let c = p.boxes.counters.borrow()[p.peer];
     if d.checked[0] < p.sends.len() {
         format!(
-            "rank {me}'s send #{} to rank {} has no matching receive{}",
+            "rank {me}'s send #{} to rank {} has no matching receive posted",
             c[SENDS_CHECKED] + 1,
             p.peer,
-            if p.local { " in the same group" } else { " posted" }
         )
     } else if d.checked[1] < p.recvs.len() {
         format!(
-            "rank {me}'s receive #{} from rank {} has no matching send{}",
+            "rank {me}'s receive #{} from rank {} has no matching send posted",
             c[RECVS_CHECKED] + 1,
             p.peer,
-            if p.local { " in the same group" } else { " posted" }
         )
     } else {
         format!(
@@ -502,7 +488,6 @@ mod tests {
         CollOps {
             boxes,
             ops: ops.into(),
-            local: false,
             timeout: Duration::from_secs(5),
         }
     }
@@ -595,7 +580,7 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_collective_is_a_timeout_or_at_once_when_local() {
+    fn a_missing_collective_is_a_timeout() {
         use wire::{CollKind, NONE};
         let d = CollDesc {
             kind: CollKind::AllReduce,
@@ -610,10 +595,6 @@ mod tests {
         let mut c = coll(&w[0], &[d]);
         c.timeout = Duration::from_millis(200);
         assert!(matches!(verify(&[], &[c]), Err(Failure::Timeout { peer: 1, .. })));
-        let w = world(2);
-        let mut c = coll(&w[0], &[d]);
-        c.local = true;
-        assert!(matches!(verify(&[], &[c]), Err(Failure::Missing(_))));
     }
 
     fn two() -> [Mailboxes; 2] {
@@ -622,13 +603,12 @@ mod tests {
         [w.pop().unwrap(), w1]
     }
 
-    fn pair<'a>(boxes: &'a Mailboxes, peer: usize, sends: &[u64], recvs: &[u64], local: bool) -> PairOps<'a> {
+    fn pair<'a>(boxes: &'a Mailboxes, peer: usize, sends: &[u64], recvs: &[u64]) -> PairOps<'a> {
         PairOps {
             boxes,
             peer,
             sends: sends.iter().map(|&c| op(c)).collect(),
             recvs: recvs.iter().map(|&c| op(c)).collect(),
-            local,
             timeout: Duration::from_secs(5),
         }
     }
@@ -636,36 +616,9 @@ mod tests {
     #[test]
     fn a_send_and_its_receive_in_one_group_pass() {
         let w = world(2);
-        verify_pairs(&[pair(&w[0], 1, &[4], &[], true), pair(&w[1], 0, &[], &[4], true)]).unwrap();
+        verify_pairs(&[pair(&w[0], 1, &[4], &[]), pair(&w[1], 0, &[], &[4])]).unwrap();
         // And again: the counters moved on together.
-        verify_pairs(&[
-            pair(&w[0], 1, &[8, 2], &[1], true),
-            pair(&w[1], 0, &[1], &[8, 2], true),
-        ])
-        .unwrap();
-    }
-
-    #[test]
-    fn self_transfers_match_in_order_within_the_group() {
-        let w = world(1);
-        verify_pairs(&[pair(&w[0], 0, &[3, 5], &[3, 5], true)]).unwrap();
-        let e = verify_pairs(&[pair(&w[0], 0, &[3, 5], &[5, 3], true)]).unwrap_err();
-        assert!(
-            matches!(&e, Failure::Mismatch(m) if m.contains("send #3")),
-            "{e:?}"
-        );
-    }
-
-    #[test]
-    fn a_lone_local_send_fails_at_once_instead_of_waiting() {
-        let w = world(1);
-        let t = Instant::now();
-        let e = verify_pairs(&[pair(&w[0], 0, &[4], &[], true)]).unwrap_err();
-        assert!(
-            matches!(&e, Failure::Missing(m) if m.contains("no matching receive in the same group")),
-            "{e:?}"
-        );
-        assert!(t.elapsed() < Duration::from_secs(1));
+        verify_pairs(&[pair(&w[0], 1, &[8, 2], &[1]), pair(&w[1], 0, &[1], &[8, 2])]).unwrap();
     }
 
     #[test]
@@ -673,8 +626,8 @@ mod tests {
         // Issue 9, hole 1: a send of n f32 matched with a receive of 3n/4, ranks on two threads.
         let [w0, w1] = two();
         let n = 4_194_304;
-        let sender = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[n], &[], false)]));
-        let receiver = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[3 * n / 4], false)]));
+        let sender = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[n], &[])]));
+        let receiver = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[3 * n / 4])]));
         for (who, r) in [
             ("sender", sender.join().unwrap()),
             ("receiver", receiver.join().unwrap()),
@@ -689,9 +642,9 @@ mod tests {
     #[test]
     fn ranks_in_threads_wait_for_each_other() {
         let [w0, w1] = two();
-        let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[4], &[], false)]));
+        let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[4], &[])]));
         std::thread::sleep(Duration::from_millis(50));
-        let b = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[4], false)]));
+        let b = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[4])]));
         a.join().unwrap().unwrap();
         b.join().unwrap().unwrap();
     }
@@ -699,7 +652,7 @@ mod tests {
     #[test]
     fn a_peer_that_never_posts_is_a_timeout_within_the_bound() {
         let w = world(2);
-        let mut p = pair(&w[0], 1, &[4], &[], false);
+        let mut p = pair(&w[0], 1, &[4], &[]);
         p.timeout = Duration::from_millis(200);
         let t = Instant::now();
         let e = verify_pairs(&[p]).unwrap_err();
@@ -711,7 +664,7 @@ mod tests {
     fn a_broken_peer_ends_the_wait_at_once() {
         let w = world(2);
         w[1].regions[1].set_broken();
-        let e = verify_pairs(&[pair(&w[0], 1, &[4], &[], false)]).unwrap_err();
+        let e = verify_pairs(&[pair(&w[0], 1, &[4], &[])]).unwrap_err();
         assert_eq!(e, Failure::PeerBroken(1));
     }
 
@@ -722,10 +675,10 @@ mod tests {
         let [w0, w1] = two();
         let counts: Vec<u64> = (1..=1000).collect();
         let sent = counts.clone();
-        let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &sent, &[], false)]));
+        let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &sent, &[])]));
         let b = std::thread::spawn(move || {
             for &c in &counts {
-                verify_pairs(&[pair(&w1, 0, &[], &[c], false)])?;
+                verify_pairs(&[pair(&w1, 0, &[], &[c])])?;
             }
             Ok::<(), Failure>(())
         });
@@ -752,8 +705,8 @@ mod tests {
         std::fs::remove_file(p1).unwrap();
         let counts: Vec<u64> = (1..=300).collect();
         let sent = counts.clone();
-        let a = std::thread::spawn(move || verify_pairs(&[pair(&rank0, 1, &sent, &[7], false)]));
-        let b = std::thread::spawn(move || verify_pairs(&[pair(&rank1, 0, &[7], &counts, false)]));
+        let a = std::thread::spawn(move || verify_pairs(&[pair(&rank0, 1, &sent, &[7])]));
+        let b = std::thread::spawn(move || verify_pairs(&[pair(&rank1, 0, &[7], &counts)]));
         a.join().unwrap().unwrap();
         b.join().unwrap().unwrap();
     }

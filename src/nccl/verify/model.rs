@@ -185,6 +185,7 @@ mod oracle {
     use std::time::Duration;
 
     use super::*;
+    use crate::nccl::verify::local::{self, LocalRank};
     use crate::nccl::verify::mailbox::Region;
     use crate::nccl::verify::wire::{NONE, P2P};
     use crate::nccl::verify::{CollOps, Mailboxes, PairOps, verify};
@@ -315,8 +316,51 @@ mod oracle {
             .collect()
     }
 
-    /// Verification as a group of `init_all` ranks runs it (one thread, every rank's calls
-    /// given at once): `true` if it passes.
+    /// A rank of the model's one `init_all`, for the local match.
+    #[derive(Clone, Copy)]
+    struct Rank {
+        rank: usize,
+        world: usize,
+    }
+
+    impl LocalRank for Rank {
+        fn rank(self) -> usize {
+            self.rank
+        }
+        fn world(self) -> usize {
+            self.world
+        }
+        fn key(self) -> usize {
+            self.rank
+        }
+        fn drives_all(self) -> bool {
+            true
+        }
+        fn is_rank(self, other: Self, peer: usize) -> bool {
+            other.rank == peer
+        }
+    }
+
+    /// The local match, as a group of `init_all` ranks runs it (one thread, every rank's calls
+    /// in one group): `true` if it passes.
+    fn matched_locally(programs: &[Vec<UserCall>]) -> bool {
+        let world = programs.len();
+        let members: Vec<Rank> = (0..world).map(|rank| Rank { rank, world }).collect();
+        let mut queued = Vec::new();
+        let mut colls = Vec::new();
+        for (&r, program) in members.iter().zip(programs) {
+            for call in calls(program) {
+                if let Call::Coll(c) = call {
+                    colls.push((r, c));
+                }
+                queued.extend(expand(call, r.rank, world).map(|(peer, dir, desc)| (r, peer, dir, desc)));
+            }
+        }
+        local::match_pairs(&members, &queued).is_ok() && local::match_collectives(&members, &colls).is_ok()
+    }
+
+    /// Verification through the mailboxes, as peers posting on their own run it, here with
+    /// every rank's calls given at once (so a stall is final: no wait).
     fn verified(programs: &[Vec<UserCall>]) -> bool {
         let world = programs.len();
         let regions: Arc<[Arc<Region>]> = (0..world)
@@ -344,8 +388,7 @@ mod oracle {
                                 peer,
                                 sends: Default::default(),
                                 recvs: Default::default(),
-                                local: true,
-                                timeout: Duration::from_secs(5),
+                                timeout: Duration::ZERO,
                             });
                             pairs.len() - 1
                         }
@@ -359,8 +402,7 @@ mod oracle {
             colls.push(CollOps {
                 boxes: mine,
                 ops: coll_ops.into(),
-                local: true,
-                timeout: Duration::from_secs(5),
+                timeout: Duration::ZERO,
             });
         }
         verify(&pairs, &colls).is_ok()
@@ -380,15 +422,21 @@ mod oracle {
         a
     }
 
+    /// Both ways of matching, the local match and the mailboxes', hold to what NCCL pairs.
     fn check(programs: &[Vec<UserCall>]) {
-        let (v, e) = (verified(programs), exact(programs));
-        assert_eq!(
-            v,
-            e,
-            "verification {} but NCCL would {}run it as meant: {programs:?}",
-            if v { "passes" } else { "refuses" },
-            if e { "" } else { "not " }
-        );
+        let e = exact(programs);
+        for (how, v) in [
+            ("the local match", matched_locally(programs)),
+            ("verification", verified(programs)),
+        ] {
+            assert_eq!(
+                v,
+                e,
+                "{how} {} but NCCL would {}run it as meant: {programs:?}",
+                if v { "passes" } else { "refuses" },
+                if e { "" } else { "not " }
+            );
+        }
     }
 
     #[test]

@@ -87,7 +87,6 @@ impl Rank {
             peer,
             sends: sends.iter().map(op).collect(),
             recvs: recvs.iter().map(op).collect(),
-            local: false,
             timeout: self.timeout,
         };
         verify(&[pair], &[]).map_err(|f| format!("{f:?}"))
@@ -112,7 +111,6 @@ impl Rank {
                     nccl_memory: 0,
                 })
                 .collect(),
-            local: false,
             timeout: self.timeout,
         };
         verify(&[], &[c]).map_err(|f| format!("{f:?}"))
