@@ -190,6 +190,7 @@ impl Module {
             kernel,
             name: name.to_string(),
             _module: self.inner.clone(),
+            keep: self.inner.clone(),
             attributes: Mutex::new(Vec::new()),
         })
     }
@@ -200,6 +201,9 @@ pub struct Function {
     kernel: cudaKernel_t,
     name: String,
     _module: Arc<ModuleInner>,
+    /// The same module, as what a graph that captures a launch keeps alive (made once, not at
+    /// each launch).
+    keep: crate::engine::Keep,
     /// Per device it was loaded on: its largest block (threads) and dynamic shared memory.
     attributes: Mutex<Vec<(usize, u32, u32)>>,
 }
@@ -453,8 +457,9 @@ impl<'a> LaunchBuilder<'a> {
             .collect();
         let kernel = self.function.kernel;
         // A graph that captures the launch keeps the kernel's module loaded.
-        let module: crate::engine::Keep = self.function._module.clone();
-        let work = crate::engine::Work::Cuda { keep: Some(&module) };
+        let work = crate::engine::Work::Cuda {
+            keep: Some(&self.function.keep),
+        };
         self.stream.enqueue_work(&self.uses, work, |s| {
             // SAFETY: the caller vouches for the kernel and the arguments (this function's
             // contract); each pointer in `args` points to an argument's bytes, alive until the
@@ -684,13 +689,15 @@ mod tests {
     fn argument_types_declare_their_access() {
         let device = crate::engine::device::Device::for_tests();
         let stream = Stream::for_tests(&device);
+        let module = Arc::new(ModuleInner {
+            library: std::ptr::null_mut(),
+            origin: "test".into(),
+        });
         let function = Function {
             kernel: std::ptr::null_mut(),
             name: "k".into(),
-            _module: Arc::new(ModuleInner {
-                library: std::ptr::null_mut(),
-                origin: "test".into(),
-            }),
+            _module: module.clone(),
+            keep: module,
             attributes: Mutex::new(Vec::new()),
         };
         let (a, b) = (Tracked::new(&device), Tracked::new(&device));

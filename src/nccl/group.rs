@@ -352,9 +352,9 @@ impl<'a> Group<'a> {
 
     /// Every send and receive NCCL will queue for this group, its collectives' per-peer parts
     /// included, in NCCL's order.
-    fn queued(&self) -> SmallVec<[Queued<'a>; 8]> {
-        // Pushed one by one: a short list, where collecting a flattened iterator costs more.
-        let mut queued = SmallVec::new();
+    fn queued(&self, queued: &mut SmallVec<[Queued<'a>; 8]>) {
+        // Pushed one by one, into the caller's list: a short list, where collecting a flattened
+        // iterator, or returning the list, costs more.
         for p in &self.order {
             let (comm, call) = match *p {
                 Posted::P2p(i) => (self.ops[i].comm, self.ops[i].call()),
@@ -364,7 +364,6 @@ impl<'a> Group<'a> {
                 queued.push((comm, peer, dir, d));
             }
         }
-        queued
     }
 
     /// Graph capture, checked before anything is verified or posted: a communicator given to
@@ -531,7 +530,8 @@ impl<'a> Group<'a> {
         self.check_types()?;
         self.check_capture()?;
         // What NCCL will queue, expanded once for the checks and verification.
-        let queued = self.queued();
+        let mut queued = SmallVec::new();
+        self.queued(&mut queued);
         self.check_local(&queued)?;
         self.verify(&comms, &queued)?;
         // Verified: each operation is now in the peers' order. From here until NCCL has the
