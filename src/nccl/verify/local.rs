@@ -65,8 +65,13 @@ pub(crate) fn match_pairs<K: LocalRank>(members: &[K], queued: &[Queued<K>]) -> 
                 .filter(move |&&(r, p, e, _)| r.key() == from.key() && p == to && e == d)
                 .map(|&(.., desc)| desc)
         };
-        // Both directions of the pair: my sends with its receives, its sends with mine.
-        for (from, to, a, b) in [(rank, other, me, peer), (other, rank, peer, me)] {
+        // Both directions of the pair: my sends with its receives, its sends with mine (one
+        // and the same for a rank and itself).
+        let directions = if other.key() == rank.key() { 1 } else { 2 };
+        for (from, to, a, b) in [(rank, other, me, peer), (other, rank, peer, me)]
+            .into_iter()
+            .take(directions)
+        {
             if !side(from, b, Dir::Send).eq(side(to, a, Dir::Recv)) {
                 let list = |l: &mut dyn Iterator<Item = OpDesc>| {
                     l.map(|d| d.describe()).collect::<Vec<_>>().join("; ")
