@@ -321,6 +321,8 @@ mod oracle {
     struct Rank {
         rank: usize,
         world: usize,
+        /// Made by one `init_all` with the others (else alone in its process).
+        clique: bool,
     }
 
     impl LocalRank for Rank {
@@ -334,10 +336,10 @@ mod oracle {
             self.rank
         }
         fn drives_all(self) -> bool {
-            true
+            self.clique
         }
         fn is_rank(self, other: Self, peer: usize) -> bool {
-            other.rank == peer
+            other.rank == peer && (self.clique || peer == self.rank)
         }
     }
 
@@ -345,7 +347,13 @@ mod oracle {
     /// in one group): `true` if it passes.
     fn matched_locally(programs: &[Vec<UserCall>]) -> bool {
         let world = programs.len();
-        let members: Vec<Rank> = (0..world).map(|rank| Rank { rank, world }).collect();
+        let members: Vec<Rank> = (0..world)
+            .map(|rank| Rank {
+                rank,
+                world,
+                clique: true,
+            })
+            .collect();
         let mut queued = Vec::new();
         let mut colls = Vec::new();
         for (&r, program) in members.iter().zip(programs) {
@@ -359,10 +367,25 @@ mod oracle {
         local::match_pairs(&members, &queued).is_ok() && local::match_collectives(&members, &colls).is_ok()
     }
 
-    /// Verification through the mailboxes, as peers posting on their own run it, here with
-    /// every rank's calls given at once (so a stall is final: no wait).
+    /// What ranks in processes of their own run: each matches its sends to itself locally,
+    /// and everything else goes through the mailboxes, here with every rank's calls given at
+    /// once (so a stall is final: no wait).
     fn verified(programs: &[Vec<UserCall>]) -> bool {
         let world = programs.len();
+        for (rank, program) in programs.iter().enumerate() {
+            let me = Rank {
+                rank,
+                world,
+                clique: false,
+            };
+            let mut queued = Vec::new();
+            for call in calls(program) {
+                queued.extend(expand(call, rank, world).map(|(peer, dir, desc)| (me, peer, dir, desc)));
+            }
+            if local::match_pairs(&[me], &queued).is_err() {
+                return false;
+            }
+        }
         let regions: Arc<[Arc<Region>]> = (0..world)
             .map(|r| Arc::new(Region::in_process(world, r)))
             .collect();
@@ -376,7 +399,7 @@ mod oracle {
                 if let Call::Coll(c) = call {
                     coll_ops.push(c);
                 }
-                for (peer, dir, desc) in expand(call, rank, world) {
+                for (peer, dir, desc) in expand(call, rank, world).filter(|&(peer, ..)| peer != rank) {
                     let i = match pairs
                         .iter()
                         .position(|p| std::ptr::eq(p.boxes, mine) && p.peer == peer)
