@@ -158,21 +158,42 @@ fn child(role: &str) -> i32 {
 }
 
 /// An address nobody holds, for a server a test starts later. Not one the kernel picks for port
-/// 0: those come from its ephemeral range (32768-60999 on Linux), where the outgoing connections
-/// of the tests running beside this one take their local ports, so one of them could take it
-/// before the server binds it, which then fails with "Address already in use". Below that range
-/// instead, each port handed out once per process, from a base that differs between processes.
+/// 0, nor any in its ephemeral range (`net.ipv4.ip_local_port_range`: 32768-60999 by default,
+/// wider on some machines), where the outgoing connections of the tests running beside this one
+/// take their local ports, so one of them could take it before the server binds it, which then
+/// fails with "Address already in use". Outside that range instead (the larger side of it, above
+/// 10000), each port handed out once per process, from a base that differs between processes.
 fn free_addr() -> Result<String, Failed> {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let base = 20_000 + (std::process::id() % 1_000) * 12;
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let mut bounds = range.split_whitespace().map(|x| x.parse::<u32>().ok());
+    let (low, high) = match (bounds.next().flatten(), bounds.next().flatten()) {
+        (Some(l), Some(h)) => (l, h),
+        _ => (32_768, 60_999),
+    };
+    let (below, above): ((u32, u32), (u32, u32)) = ((10_000, low), (high + 1, 65_536));
+    let (start, end) = if below.1.saturating_sub(below.0) >= above.1.saturating_sub(above.0) {
+        below
+    } else {
+        above
+    };
+    let span = end.saturating_sub(start);
+    if span < 1_000 {
+        return Err(format!(
+            "the ephemeral port range {low}-{high} leaves too few ports above 10000 for the tests' \
+             servers: narrow it (sysctl net.ipv4.ip_local_port_range)"
+        )
+        .into());
+    }
+    let base = (std::process::id() % 1_000) * 12;
     for _ in 0..2_000 {
-        let port = 20_000 + (base - 20_000 + NEXT.fetch_add(1, Ordering::Relaxed)) % 12_000;
+        let port = start + (base + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
         if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
             return Ok(format!("127.0.0.1:{port}"));
         }
     }
-    Err("no free port below the ephemeral range".into())
+    Err("no free port outside the ephemeral range".into())
 }
 
 fn test_id() -> UniqueId {
