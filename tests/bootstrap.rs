@@ -157,43 +157,32 @@ fn child(role: &str) -> i32 {
     }
 }
 
-/// An address nobody holds, for a server a test starts later. Not one the kernel picks for port
-/// 0, nor any in its ephemeral range (`net.ipv4.ip_local_port_range`: 32768-60999 by default,
-/// wider on some machines), where the outgoing connections of the tests running beside this one
-/// take their local ports, so one of them could take it before the server binds it, which then
-/// fails with "Address already in use". Outside that range instead (the larger side of it, above
-/// 10000), each port handed out once per process, from a base that differs between processes.
+/// An address nobody holds, for a server a test starts later: a loopback address of its own
+/// (all of 127.0.0.0/8 is this host's), drawn afresh for every server of every run, at one
+/// port. On the H200 machine a port of 127.0.0.1 that was free a moment before was at times
+/// found taken when the server bound it, for no cause found (the ports lay outside its
+/// ephemeral range); no other socket binds these addresses, and the tests' clients connect
+/// from 127.0.0.1.
 fn free_addr() -> Result<String, Failed> {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
-    let mut bounds = range.split_whitespace().map(|x| x.parse::<u32>().ok());
-    let (low, high) = match (bounds.next().flatten(), bounds.next().flatten()) {
-        (Some(l), Some(h)) => (l, h),
-        _ => (32_768, 60_999),
-    };
-    let (below, above): ((u32, u32), (u32, u32)) = ((10_000, low), (high + 1, 65_536));
-    let (start, end) = if below.1.saturating_sub(below.0) >= above.1.saturating_sub(above.0) {
-        below
-    } else {
-        above
-    };
-    let span = end.saturating_sub(start);
-    if span < 1_000 {
-        return Err(format!(
-            "the ephemeral port range {low}-{high} leaves too few ports above 10000 for the tests' \
-             servers: narrow it (sysctl net.ipv4.ip_local_port_range)"
-        )
-        .into());
-    }
-    let base = (std::process::id() % 1_000) * 12;
-    for _ in 0..2_000 {
-        let port = start + (base + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
-        if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
-            return Ok(format!("127.0.0.1:{port}"));
+    let clock = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let seed = std::process::id().wrapping_mul(2_654_435_761) ^ clock;
+    for _ in 0..1_000 {
+        // Odd steps through the 2^24 addresses: each run's sequence repeats none of its own.
+        let n = seed.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed).wrapping_mul(40_503)) & 0xff_ffff;
+        let ip = std::net::Ipv4Addr::new(127, (n >> 16) as u8, (n >> 8) as u8, n as u8);
+        // Not 127.0.0.x, where the rest of the machine's loopback traffic is, nor .0 or .255.
+        if n >> 8 == 0 || matches!(n & 0xff, 0 | 255) {
+            continue;
+        }
+        if TcpListener::bind((ip, 20_000)).is_ok() {
+            return Ok(format!("{ip}:20000"));
         }
     }
-    Err("no free port outside the ephemeral range".into())
+    Err("no free loopback address".into())
 }
 
 fn test_id() -> UniqueId {
