@@ -159,10 +159,11 @@ fn child(role: &str) -> i32 {
 
 /// An address nobody holds, for a server a test starts later: a loopback address of its own
 /// (all of 127.0.0.0/8 is this host's), drawn afresh for every server of every run, at one
-/// port. On the H200 machine a port of 127.0.0.1 that was free a moment before was at times
-/// found taken when the server bound it, for no cause found (the ports lay outside its
-/// ephemeral range); no other socket binds these addresses, and the tests' clients connect
-/// from 127.0.0.1.
+/// port. Not a port of 127.0.0.1 found free by binding it for a moment: a test beside this one
+/// that spawns a child process at that moment gives the child a copy of that listener, which
+/// keeps listening until the child execs, and the server's bind then fails with "Address
+/// already in use" (on the 16-core H200 machine, in a run of this binary now and then).
+/// Nothing else binds these addresses, and clients connect from 127.0.0.1.
 fn free_addr() -> Result<String, Failed> {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -170,19 +171,15 @@ fn free_addr() -> Result<String, Failed> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
     let seed = std::process::id().wrapping_mul(2_654_435_761) ^ clock;
-    for _ in 0..1_000 {
-        // Odd steps through the 2^24 addresses: each run's sequence repeats none of its own.
+    loop {
+        // Odd steps through the 2^24 addresses: a run repeats none of its own.
         let n = seed.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed).wrapping_mul(40_503)) & 0xff_ffff;
-        let ip = std::net::Ipv4Addr::new(127, (n >> 16) as u8, (n >> 8) as u8, n as u8);
         // Not 127.0.0.x, where the rest of the machine's loopback traffic is, nor .0 or .255.
-        if n >> 8 == 0 || matches!(n & 0xff, 0 | 255) {
-            continue;
-        }
-        if TcpListener::bind((ip, 20_000)).is_ok() {
+        if n >> 8 != 0 && !matches!(n & 0xff, 0 | 255) {
+            let ip = std::net::Ipv4Addr::new(127, (n >> 16) as u8, (n >> 8) as u8, n as u8);
             return Ok(format!("{ip}:20000"));
         }
     }
-    Err("no free loopback address".into())
 }
 
 fn test_id() -> UniqueId {
