@@ -154,14 +154,14 @@
 //!   the model, with the NCCL source it follows, is written down
 //!   in `src/nccl/verify/model.rs`, and a CPU test checks verification, and the local match
 //!   below, against a model of NCCL's queues over every two-rank program of up to two calls
-//!   per rank. Ranks
-//!   settle at creation that all verify or none does, so a verifying rank never talks to one
-//!   that does not. Collectives are checked the same way: every rank posts the same
-//!   operations, counts, types, reductions and roots in the same order. Opting out is
+//!   per rank. Ranks settle at creation that all verify or none does, so a verifying rank never
+//!   talks to one that does not. Collectives are checked the same way: every rank posts the
+//!   same operations, counts, types, reductions and roots in the same order. Opting out is
 //!   [`CommOptions::unverified`], `unsafe`: the caller promises matching operations. Sends to
 //!   oneself, and between ranks of one [`Communicator::init_all`], are matched within their
-//!   group (collectives' parts included), verified or not, and go through no mailbox. Tests: the verification's CPU tests
-//!   (threads, two processes' mailbox files, the model against NCCL's queues);
+//!   group (collectives' parts included), verified or not, and go through no mailbox. Tests:
+//!   the verification's CPU tests (threads, two processes' mailbox files, the model against
+//!   NCCL's queues);
 //!   `tests/soundness.rs` (a short receive in one process and across threads; a send against a
 //!   gather's part, in one process and across threads; ranks that disagree on verification);
 //!   `tests/reliability.rs` (mismatched count and type across two processes).
