@@ -231,6 +231,25 @@ fn tracker<'a, 't>(trackers: &'a mut [OnTracker<'t>], t: &Tracked) -> &'a mut Us
         .uses
 }
 
+/// Each distinct item of `items` once (few: linear scans with `same`), sorted by `key`; the sort
+/// is skipped when they come sorted.
+fn distinct_sorted<'a, T, K: Ord>(
+    items: impl Iterator<Item = &'a T>,
+    same: impl Fn(&T, &T) -> bool,
+    key: impl Fn(&T) -> K,
+) -> SmallVec<[&'a T; 8]> {
+    let mut out: SmallVec<[&'a T; 8]> = SmallVec::new();
+    for i in items {
+        if !out.iter().any(|o| same(o, i)) {
+            out.push(i);
+        }
+    }
+    if !out.is_sorted_by_key(|t| key(t)) {
+        out.as_mut_slice().sort_unstable_by_key(|t| key(t));
+    }
+    out
+}
+
 fn enqueue_with<R>(
     uses: &[TrackedUse<'_>],
     work: Work<'_>,
@@ -242,15 +261,11 @@ fn enqueue_with<R>(
     // Each distinct stream once, in stream-id order, the order their locks are taken in, so
     // that threads queueing on overlapping streams cannot deadlock (few uses: linear scans).
     // Record streams are among them.
-    let mut ids: SmallVec<[&Stream; 4]> = SmallVec::new();
-    for u in uses {
-        if !ids.iter().any(|s| std::ptr::eq(*s, u.stream)) {
-            ids.push(u.stream);
-        }
-    }
-    if !ids.is_sorted_by_key(|s| s.id()) {
-        ids.as_mut_slice().sort_unstable_by_key(|s| s.id());
-    }
+    let ids = distinct_sorted(
+        uses.iter().map(|u| u.stream),
+        |a, b| std::ptr::eq(a, b),
+        Stream::id,
+    );
     let mut streams: SmallVec<[OnStream<'_>; 4]> = SmallVec::new();
     for &stream in &ids {
         streams.push(OnStream {
@@ -282,15 +297,7 @@ fn enqueue_with<R>(
         }
     }
     // Each distinct tracker once, locked in key order (a graph's are sorted already).
-    let mut keys: SmallVec<[&Tracked; 8]> = SmallVec::new();
-    for u in uses {
-        if !keys.iter().any(|t| Tracked::same(t, u.tracked)) {
-            keys.push(u.tracked);
-        }
-    }
-    if !keys.is_sorted_by_key(|t| t.key()) {
-        keys.as_mut_slice().sort_unstable_by_key(|t| t.key());
-    }
+    let keys = distinct_sorted(uses.iter().map(|u| u.tracked), Tracked::same, Tracked::key);
     let mut trackers: SmallVec<[OnTracker<'_>; 8]> = SmallVec::new();
     for &tracked in &keys {
         trackers.push(OnTracker {
