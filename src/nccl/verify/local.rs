@@ -131,36 +131,40 @@ pub(crate) fn match_collectives<K: LocalRank>(members: &[K], colls: &[(K, CollDe
     Ok(())
 }
 
+/// A rank of the CPU tests (here and the model's): rank `rank` of `world`, made by one
+/// `init_all` with the others (`clique`), or alone in its process.
+#[cfg(test)]
+#[derive(Clone, Copy)]
+pub(crate) struct TestRank {
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    pub(crate) clique: bool,
+}
+
+#[cfg(test)]
+impl LocalRank for TestRank {
+    fn rank(self) -> usize {
+        self.rank
+    }
+    fn world(self) -> usize {
+        self.world
+    }
+    fn key(self) -> usize {
+        self.rank
+    }
+    fn drives_all(self) -> bool {
+        self.clique
+    }
+    fn is_rank(self, other: Self, peer: usize) -> bool {
+        other.rank == peer && (self.clique || peer == self.rank)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::nccl::verify::wire::{CollKind, NONE, P2P};
-
-    /// Rank `rank` of a clique of `world` (`clique`: made by one `init_all`), or alone.
-    #[derive(Clone, Copy)]
-    struct R {
-        rank: usize,
-        world: usize,
-        clique: bool,
-    }
-
-    impl LocalRank for R {
-        fn rank(self) -> usize {
-            self.rank
-        }
-        fn world(self) -> usize {
-            self.world
-        }
-        fn key(self) -> usize {
-            self.rank
-        }
-        fn drives_all(self) -> bool {
-            self.clique
-        }
-        fn is_rank(self, other: Self, peer: usize) -> bool {
-            other.rank == peer && (self.clique || peer == self.rank)
-        }
-    }
+    use TestRank as R;
 
     fn op(count: u64) -> OpDesc {
         OpDesc {

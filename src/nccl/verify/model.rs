@@ -185,7 +185,7 @@ mod oracle {
     use std::time::Duration;
 
     use super::*;
-    use crate::nccl::verify::local::{self, LocalRank};
+    use crate::nccl::verify::local::{self, TestRank as Rank};
     use crate::nccl::verify::mailbox::Region;
     use crate::nccl::verify::wire::{NONE, P2P};
     use crate::nccl::verify::{CollOps, Mailboxes, PairOps, verify};
@@ -314,33 +314,6 @@ mod oracle {
                 UserCall::Scatter { root, count } => coll(CollKind::Scatter, count, root),
             })
             .collect()
-    }
-
-    /// A rank of the model's one `init_all`, for the local match.
-    #[derive(Clone, Copy)]
-    struct Rank {
-        rank: usize,
-        world: usize,
-        /// Made by one `init_all` with the others (else alone in its process).
-        clique: bool,
-    }
-
-    impl LocalRank for Rank {
-        fn rank(self) -> usize {
-            self.rank
-        }
-        fn world(self) -> usize {
-            self.world
-        }
-        fn key(self) -> usize {
-            self.rank
-        }
-        fn drives_all(self) -> bool {
-            self.clique
-        }
-        fn is_rank(self, other: Self, peer: usize) -> bool {
-            other.rank == peer && (self.clique || peer == self.rank)
-        }
     }
 
     /// The local match, as a group of `init_all` ranks runs it (one thread, every rank's calls
