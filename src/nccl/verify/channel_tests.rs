@@ -226,15 +226,7 @@ fn operations_and_collectives_are_checked_through_mirrors_and_a_mismatch_fails_b
 
 #[test]
 fn four_ranks_agree_on_collectives_and_a_ring_of_sends_and_all_refuse_a_difference() {
-    let coll = |count: u64| CollDesc {
-        kind: CollKind::AllReduce,
-        count,
-        dtype: 7,
-        redop: 0,
-        root: NONE,
-        captured: false,
-        nccl_memory: 0,
-    };
+    let coll = CollDesc::f32_sum;
     let n = 4;
     let run = |ranks: Vec<Mailboxes>, last: Vec<u64>| {
         let threads: Vec<_> = ranks

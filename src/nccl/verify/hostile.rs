@@ -12,9 +12,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
 use crate::nccl::verify::mailbox::{MAX_CHECKED, RING, Region, STATUS_AT};
-use crate::nccl::verify::wire::{
-    CARD_WORDS, Card, CollDesc, CollKind, Dir, NONE, OpDesc, P2P, PATH_BYTES, check_cards,
-};
+use crate::nccl::verify::wire::{CARD_WORDS, Card, CollDesc, Dir, OpDesc, P2P, PATH_BYTES, check_cards};
 use crate::nccl::verify::{CollOps, Failure, Mailboxes, PairOps, verify};
 
 /// Runs `test` over `cases` values of `strategy`, panicking with proptest's minimal failing
@@ -461,15 +459,7 @@ fn verification_against_a_hostile_peer_ends_within_its_timeout() {
         strategy,
         |(honest, writes, sends, recvs, colls)| {
             let (boxes, peer) = hostile_pair();
-            let coll = CollDesc {
-                kind: CollKind::AllReduce,
-                count: 3,
-                dtype: 7,
-                redop: 0,
-                root: NONE,
-                captured: false,
-                nccl_memory: 0,
-            };
+            let coll = CollDesc::f32_sum(3);
             if honest {
                 // The counterparts, as far as a ring holds them, and counters as if it checked
                 // everything of this rank's: then the hostile writes below.

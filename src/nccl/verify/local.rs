@@ -163,7 +163,7 @@ impl LocalRank for TestRank {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nccl::verify::wire::{CollKind, NONE, P2P};
+    use crate::nccl::verify::wire::P2P;
     use TestRank as R;
 
     fn op(count: u64) -> OpDesc {
@@ -231,15 +231,7 @@ mod tests {
             world: 2,
             clique: true,
         };
-        let sum = |count| CollDesc {
-            kind: CollKind::AllReduce,
-            count,
-            dtype: 7,
-            redop: 0,
-            root: NONE,
-            captured: false,
-            nccl_memory: 0,
-        };
+        let sum = CollDesc::f32_sum;
         let both = [r(0), r(1)];
         match_collectives(&both, &[(r(0), sum(4)), (r(1), sum(4))]).unwrap();
         let e = match_collectives(&both, &[(r(0), sum(4)), (r(1), sum(8))]).unwrap_err();

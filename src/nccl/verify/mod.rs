@@ -495,15 +495,7 @@ mod tests {
     #[test]
     fn collectives_agree_across_three_ranks_on_threads_and_refuse_a_difference() {
         use wire::{CollKind, NONE};
-        let sum = CollDesc {
-            kind: CollKind::AllReduce,
-            count: 1001,
-            dtype: F32,
-            redop: 0,
-            root: NONE,
-            captured: false,
-            nccl_memory: 0,
-        };
+        let sum = CollDesc::f32_sum(1001);
         let bcast = CollDesc {
             kind: CollKind::Broadcast,
             count: 5,
@@ -581,16 +573,7 @@ mod tests {
 
     #[test]
     fn a_missing_collective_is_a_timeout() {
-        use wire::{CollKind, NONE};
-        let d = CollDesc {
-            kind: CollKind::AllReduce,
-            count: 4,
-            dtype: F32,
-            redop: 0,
-            root: NONE,
-            captured: false,
-            nccl_memory: 0,
-        };
+        let d = CollDesc::f32_sum(4);
         let w = world(2);
         let mut c = coll(&w[0], &[d]);
         c.timeout = Duration::from_millis(200);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::nccl::verify::mailbox::Region;
-use crate::nccl::verify::wire::{CollDesc, CollKind, NONE, OpDesc, P2P};
+use crate::nccl::verify::wire::{CollDesc, OpDesc, P2P};
 use crate::nccl::verify::{CollOps, Mailboxes, PairOps, setup, verify};
 
 /// `ncclFloat32`.
@@ -99,18 +99,7 @@ impl Rank {
     pub fn all_reduce(&self, counts: &[u64]) -> Result<(), String> {
         let c = CollOps {
             boxes: &self.boxes,
-            ops: counts
-                .iter()
-                .map(|&count| CollDesc {
-                    kind: CollKind::AllReduce,
-                    count,
-                    dtype: F32,
-                    redop: 0,
-                    root: NONE,
-                    captured: false,
-                    nccl_memory: 0,
-                })
-                .collect(),
+            ops: counts.iter().map(|&count| CollDesc::f32_sum(count)).collect(),
             timeout: self.timeout,
         };
         verify(&[], &[c]).map_err(|f| format!("{f:?}"))

@@ -217,6 +217,21 @@ pub(crate) struct CollDesc {
 }
 
 impl CollDesc {
+    /// An all_reduce sum of `count` `f32` elements, not captured, in plain memory: what the
+    /// rehearsal and the verification tests post.
+    pub(crate) fn f32_sum(count: u64) -> CollDesc {
+        use crate::sys::nccl::{ncclDataType_t, ncclRedOp_t};
+        CollDesc {
+            kind: CollKind::AllReduce,
+            count,
+            dtype: ncclDataType_t::ncclFloat32.0,
+            redop: ncclRedOp_t::ncclSum.0,
+            root: NONE,
+            captured: false,
+            nccl_memory: 0,
+        }
+    }
+
     /// The three words of a ring entry after its tag.
     pub(crate) fn encode(self) -> [u64; 3] {
         [
