@@ -54,7 +54,7 @@
 //! keeps serving the others. Version 1's refusal has the same layout, so a rank of either
 //! version is told the other's version.
 
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use crate::engine::device::Device;
@@ -62,11 +62,13 @@ use crate::error::{Error, Result};
 use crate::nccl::{CommOptions, Communicator, UniqueId};
 
 mod client;
+mod local;
 pub(crate) mod secret;
 mod server;
 mod wire;
 
 pub use client::fetch_unique_id;
+pub use local::{GpuSharing, SHARE_GPUS_VAR, spawn_local, spawn_local_with};
 pub use secret::{SECRET_FILE_VAR, SECRET_VAR, Secret};
 pub use server::{IdServer, MAX_CONNECTIONS, serve_unique_id};
 pub use wire::PROTOCOL_VERSION;
@@ -147,6 +149,10 @@ pub struct Launch {
     /// The job's shared secret (`HANDOFF_SECRET` or `HANDOFF_SECRET_FILE`), proving the ranks
     /// to each other in the id exchange; `None`: anyone who reaches `master` can fetch the id.
     pub secret: Option<Secret>,
+    /// `HANDOFF_SHARE_GPUS=1`: the ranks of this machine share its GPUs, each process with an
+    /// NCCL host id of its own (see [`spawn_local_with`]); rank `r` takes GPU
+    /// `local_rank % count`.
+    pub share_gpus: bool,
 }
 
 const LAUNCHERS: &[(&str, &str, &str, &str)] = &[
@@ -163,13 +169,26 @@ const LAUNCHERS: &[(&str, &str, &str, &str)] = &[
 impl Launch {
     /// Reads the launcher variables of this process; `Ok(None)` when none are set.
     ///
+    /// With `HANDOFF_SHARE_GPUS=1` (ranks sharing GPUs, e.g.
+    /// `HANDOFF_SHARE_GPUS=1 torchrun --nproc_per_node=4 ...` on one GPU), it also gives this
+    /// process the NCCL variables that mode needs (an `NCCL_HOSTID` of its own; NCCL's socket
+    /// transport over loopback unless `NCCL_NET` and `NCCL_SOCKET_IFNAME` are set), which NCCL
+    /// reads once, at its first call: call it first thing in `main`, before other threads or
+    /// NCCL start. Rank 0 says once on stderr that this is a development mode.
+    ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming the variable that is malformed or missing, or a
-    /// secret that cannot be used (see [`Secret::from_env`]).
+    /// [`Error::InvalidArgument`] naming the variable that is malformed or missing, a secret
+    /// that cannot be used (see [`Secret::from_env`]), or, with `HANDOFF_SHARE_GPUS=1`, NCCL
+    /// variables it cannot set safely any more (NCCL already open, or other threads running):
+    /// the message names what to export instead.
     pub fn from_env() -> Result<Option<Launch>> {
         // A value that is not UTF-8 is read (with replacement characters) and then rejected,
         // never taken for an unset variable.
-        Self::from_vars(|k| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned()))
+        let launch = Self::from_vars(|k| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned()))?;
+        if let Some(l) = launch.as_ref().filter(|l| l.share_gpus) {
+            local::apply(l.rank)?;
+        }
+        Ok(launch)
     }
 
     /// As [`Launch::from_env`], reading variables through `var` (for tests, or a launcher of
@@ -250,6 +269,7 @@ impl Launch {
             master,
             launcher,
             secret: Secret::from_vars(&var)?,
+            share_gpus: local::parse_share(var(SHARE_GPUS_VAR).as_deref())?,
         }))
     }
 
@@ -287,70 +307,38 @@ impl Launch {
         }
     }
 
-    /// This process's communicator: the GPU `local_rank` (of those visible), the id shared
-    /// through [`Launch::unique_id`] (within `options.timeout`), made with `options`.
+    /// The GPU this rank takes: `local_rank` of those visible, or with
+    /// [`share_gpus`](Launch::share_gpus), `local_rank` modulo their count.
     ///
     /// # Errors
-    /// As [`Launch::unique_id`] and [`Communicator::with_options`]; [`Error::NoDevice`] when
-    /// `local_rank` is not a visible GPU.
+    /// [`Error::NoDevice`] when that GPU is not visible (or none is); CUDA errors.
+    pub fn device(&self) -> Result<Device> {
+        local::rank_device(self.local_rank, self.share_gpus)
+    }
+
+    /// This process's communicator on [`Launch::device`]: see [`Launch::communicator_on`].
+    ///
+    /// # Errors
+    /// As [`Launch::device`] and [`Launch::communicator_on`].
     pub fn communicator(&self, options: CommOptions) -> Result<Communicator> {
-        let device = Device::new(self.local_rank)?;
+        self.communicator_on(&self.device()?, options)
+    }
+
+    /// This process's communicator on `device`, a GPU the program picked: the id shared through
+    /// [`Launch::unique_id`] (within `options.timeout`), made with `options`. Two ranks on one
+    /// GPU need [`share_gpus`](Launch::share_gpus) (NCCL refuses them otherwise).
+    ///
+    /// # Errors
+    /// As [`Launch::unique_id`] and [`Communicator::with_options`].
+    pub fn communicator_on(&self, device: &Device, options: CommOptions) -> Result<Communicator> {
         let (id, server) = self.unique_id(options.timeout())?;
-        let comm = Communicator::with_options(self.world_size, self.rank, &id, options, &device)?;
+        let comm = Communicator::with_options(self.world_size, self.rank, &id, options, device)?;
         if let Some(server) = server {
             // Every rank has joined the communicator, so every rank has fetched the id.
             server.wait()?;
         }
         Ok(comm)
     }
-}
-
-/// Starts `world` copies of the running executable on this machine, one rank each, as a launcher
-/// would: rank `r` gets `RANK=r`, `WORLD_SIZE`, `LOCAL_RANK=r`, `MASTER_ADDR=127.0.0.1` and a
-/// free `MASTER_PORT`, and inherits the rest of the environment (`NCCL_*` included). Unless
-/// this process has `HANDOFF_SECRET` or `HANDOFF_SECRET_FILE` set, the ranks get a fresh random
-/// `HANDOFF_SECRET`, so that no other local process can fetch their id. `configure` may change
-/// each rank's command (arguments, variables, redirections) before it starts. Returns the
-/// children in rank order; the caller waits for them.
-///
-/// # Errors
-/// [`Error::Bootstrap`] when no port is free, no secret can be drawn from /dev/urandom, or a
-/// process cannot be started.
-pub fn spawn_local(
-    world: usize,
-    mut configure: impl FnMut(usize, &mut std::process::Command),
-) -> Result<Vec<std::process::Child>> {
-    let fail = |detail: String| Error::Bootstrap {
-        addr: "127.0.0.1".into(),
-        detail,
-    };
-    // The port is free now; another program could take it before rank 0 listens, in which case
-    // rank 0 reports the port in use.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| fail(format!("no free local port: {e}")))?
-        .port();
-    let exe = std::env::current_exe().map_err(|e| fail(format!("cannot find this executable: {e}")))?;
-    let secret = match (std::env::var_os(SECRET_VAR), std::env::var_os(SECRET_FILE_VAR)) {
-        (None, None) => Some(Secret::random_hex().map_err(|e| fail(format!("cannot draw a secret: {e}")))?),
-        _ => None,
-    };
-    (0..world)
-        .map(|rank| {
-            let mut cmd = std::process::Command::new(&exe);
-            cmd.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string());
-            if let Some(s) = &secret {
-                cmd.env(SECRET_VAR, s);
-            }
-            configure(rank, &mut cmd);
-            cmd.spawn()
-                .map_err(|e| fail(format!("cannot start rank {rank}: {e}")))
-        })
-        .collect()
 }
 
 fn resolve(addr: &str) -> Result<SocketAddr> {
@@ -404,6 +392,7 @@ mod tests {
                 master: "10.0.0.1:29500".into(),
                 launcher: "torchrun",
                 secret: None,
+                share_gpus: false,
             }
         );
     }
@@ -424,6 +413,26 @@ mod tests {
         assert_eq!(l.master, "node0:29501");
         let e = Launch::from_vars(vars(&[torchrun.as_slice(), &[("HANDOFF_PORT", "x")]].concat()));
         assert!(matches!(e, Err(Error::InvalidArgument(m)) if m.contains("HANDOFF_PORT")));
+    }
+
+    #[test]
+    fn sharing_gpus_is_read_with_the_launchers_variables() {
+        let base = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ];
+        let l = Launch::from_vars(vars(&base)).unwrap().unwrap();
+        assert!(!l.share_gpus);
+        let l = Launch::from_vars(vars(&[base.as_slice(), &[("HANDOFF_SHARE_GPUS", "1")]].concat()))
+            .unwrap()
+            .unwrap();
+        assert!(l.share_gpus);
+        let e = Launch::from_vars(vars(&[base.as_slice(), &[("HANDOFF_SHARE_GPUS", "x")]].concat()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("HANDOFF_SHARE_GPUS"), "{e}");
     }
 
     #[test]

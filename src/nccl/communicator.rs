@@ -186,7 +186,10 @@ impl Communicator {
         for (i, d) in devices.iter().enumerate() {
             if devices[..i].iter().any(|e| e.same(d)) {
                 return Err(Error::InvalidArgument(format!(
-                    "device {} is listed twice: NCCL allows one rank per GPU",
+                    "device {} is listed twice: NCCL allows one rank per GPU in a process. To run \
+                     several ranks on one GPU, make each rank a process of its own with \
+                     HANDOFF_SHARE_GPUS=1 (nccl::bootstrap::spawn_local_with and \
+                     GpuSharing::Always start them)",
                     d.ordinal()
                 )));
             }

@@ -279,6 +279,12 @@ pub fn cudart() -> Result<&'static CudartLib, Error> {
     load_cudart().as_ref().map(|(l, _)| l).map_err(Clone::clone)
 }
 
+/// Whether NCCL has been opened in this process (successfully or not): from then on it may have
+/// read its environment variables, some of them once per process.
+pub fn nccl_opened() -> bool {
+    NCCL_LIB.get().is_some()
+}
+
 /// The file [`cudart`] opened (the soname alone when the dynamic linker found it).
 ///
 /// # Errors
