@@ -1,7 +1,10 @@
 //! Collectives benchmark: handoff's verified and unverified collectives against the raw NCCL
 //! calls, in the same process, on the same buffers and streams, interleaved; two ranks (GPUs 0
 //! and 1) in one process (`--mode inproc`) or in two processes through the bootstrap
-//! (`--mode procs`, rank 0 reports).
+//! (`--mode procs`, rank 0 reports). With one GPU, `--mode procs` runs its two processes on it
+//! (`HANDOFF_SHARE_GPUS=1`: NCCL's socket transport over loopback between them): a correctness
+//! run of the sharing mode, every value checked as usual, whose times are not performance
+//! figures (a line before each table says so).
 //!
 //! `cargo bench --bench collectives -- --op all-reduce [--mode procs] [--memory window]`
 //! (`--help` for the options)
@@ -58,7 +61,7 @@ enum Mode {
     /// Two ranks in this process.
     #[value(name = "inproc")]
     InProc,
-    /// Two processes through the bootstrap, one rank each.
+    /// Two processes through the bootstrap, one rank each (sharing the GPU where there is one).
     #[value(name = "procs")]
     Procs,
 }
@@ -178,30 +181,38 @@ fn main() -> handoff::Result<()> {
         Mode::InProc | Mode::SelfRank => None,
     };
     // This process's ranks: both (inproc) or its own (procs).
+    let mut note = None;
     let (verified, unverified, label) = match launch {
         Some(l) => {
             let v = l.communicator(CommOptions::default())?;
             // SAFETY: every rank runs this benchmark, which posts the same collectives.
             let u = l.communicator(unsafe { CommOptions::default().unverified() })?;
-            (
-                vec![v],
-                vec![u],
-                "two processes, GPU 0 and GPU 1, through the bootstrap",
-            )
+            note = harness::shared_gpu_note(&l);
+            let label = if l.share_gpus {
+                format!(
+                    "two processes through the bootstrap, sharing GPUs (rank {} on GPU {} of {})",
+                    l.rank,
+                    v.device().ordinal(),
+                    Device::count()?
+                )
+            } else {
+                "two processes, GPU 0 and GPU 1, through the bootstrap".to_string()
+            };
+            (vec![v], vec![u], label)
         }
         None if o.mode == Mode::SelfRank => {
             let devs = [Device::new(0)?];
             let v = Communicator::init_all(&devs)?;
             // SAFETY: this benchmark posts the same collectives on every rank (one).
             let u = Communicator::init_all_with(unsafe { CommOptions::default().unverified() }, &devs)?;
-            (v, u, "one rank on GPU 0 (NCCL copies locally)")
+            (v, u, "one rank on GPU 0 (NCCL copies locally)".to_string())
         }
         None => {
             let devs = [Device::new(0)?, Device::new(1)?];
             let v = Communicator::init_all(&devs)?;
             // SAFETY: this benchmark posts the same collectives on both ranks, in one group.
             let u = Communicator::init_all_with(unsafe { CommOptions::default().unverified() }, &devs)?;
-            (v, u, "two ranks in one process, GPU 0 and GPU 1")
+            (v, u, "two ranks in one process, GPU 0 and GPU 1".to_string())
         }
     };
     let reports = verified[0].rank() == 0;
@@ -258,6 +269,9 @@ fn main() -> handoff::Result<()> {
                 o.sweep.repeats,
                 op.bus_factor(world as f64)
             );
+            if let Some(note) = &note {
+                println!("{note}");
+            }
             println!("{}", harness::header());
         }
         if op == Op::Broadcast {

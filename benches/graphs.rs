@@ -15,7 +15,10 @@
 //!
 //! Modes: `self` (one GPU, rank 0 sends to itself, the send and the receive in one group);
 //! `procs` (two processes through the bootstrap: rank 0 runs A and sends, rank 1 receives and
-//! runs B; rank 0 reports).
+//! runs B; rank 0 reports, rank 1 checks the values). With one GPU (or `--devices 0,0`) the two
+//! processes of `procs` share it (`HANDOFF_SHARE_GPUS=1`: NCCL's socket transport over loopback
+//! between them): a correctness run of the sharing mode, whose times are not performance
+//! figures (a line before the table says so).
 //!
 //! Sizes: the article's 4 floats (16 B), then the sweep (`--min-bytes`, default 1 KiB, to
 //! `--max-bytes`, default 64 MiB, times `--factor`). For each size, after `--warmup` untimed
@@ -63,7 +66,8 @@ enum Mode {
     /// One rank sends to itself (one GPU).
     #[value(name = "self")]
     SelfRank,
-    /// Two processes through the bootstrap (two GPUs): rank 0 sends, rank 1 receives.
+    /// Two processes through the bootstrap (two GPUs; on one, they share it): rank 0 sends,
+    /// rank 1 receives.
     #[value(name = "procs")]
     Procs,
 }
@@ -124,10 +128,11 @@ fn main() {
         let launched = Launch::from_env().map_err(|e| e.to_string())?;
         match (o.mode, launched) {
             (Mode::Procs, None) => {
-                // Say so here, not in two children's errors, when the GPUs are not there.
+                // Say so here, not in two children's errors, when the GPUs are not there. With
+                // one GPU the two ranks share it (see `harness::spawn_procs`).
                 let n = Device::count().map_err(|e| e.to_string())?;
                 let need = o.devices[0].max(o.devices[1]) + 1;
-                if n < need {
+                if n == 0 || (n > 1 && n < need) {
                     return Err(format!(
                         "--mode procs needs GPUs {:?}; {n} visible",
                         &o.devices[..2]
@@ -458,6 +463,8 @@ struct Setup {
     /// handoff's stream (both handoff ways).
     s: Stream,
     label: String,
+    /// [`harness::shared_gpu_note`]: the ranks share a GPU.
+    note: Option<String>,
 }
 
 fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<(Setup, RawCtx)> {
@@ -484,12 +491,21 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<(Setup, RawCtx)> {
             let bytes = ids.to_vec(&s)?;
             let (a, b) = bytes.split_at(UniqueId::BYTES);
             let raw = RawCtx::new(&dev, 2, rank, [raw_id(a), raw_id(b)])?;
-            let label = format!(
-                "two processes through the bootstrap, GPU {} -> GPU {} ({})",
-                o.devices[0],
-                o.devices[1],
-                dev.name()?
-            );
+            let label = if l.share_gpus {
+                format!(
+                    "two processes through the bootstrap, sharing GPUs (rank {rank} on GPU {} of {}, {})",
+                    dev.ordinal(),
+                    Device::count()?,
+                    dev.name()?
+                )
+            } else {
+                format!(
+                    "two processes through the bootstrap, GPU {} -> GPU {} ({})",
+                    o.devices[0],
+                    o.devices[1],
+                    dev.name()?
+                )
+            };
             Ok((
                 Setup {
                     role,
@@ -498,6 +514,7 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<(Setup, RawCtx)> {
                     comm,
                     s,
                     label,
+                    note: harness::shared_gpu_note(&l),
                 },
                 raw,
             ))
@@ -525,6 +542,7 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<(Setup, RawCtx)> {
                     comm,
                     s,
                     label,
+                    note: None,
                 },
                 raw,
             ))
@@ -690,6 +708,9 @@ fn run(o: &Opts, launch: Option<Launch>) -> handoff::Result<()> {
         println!(
             "# per round, µs: GPU-inclusive (N rounds back to back, then synchronize, / N), then host (enqueue only); hg-rg = handoff graph - raw graph; he/hg, re/rg = eager / graph"
         );
+        if let Some(note) = &st.note {
+            println!("{note}");
+        }
         println!("{}", header());
     }
     let mut sizes = vec![ARTICLE_BYTES];

@@ -8,7 +8,11 @@
 //! - `inproc`: two ranks in this process (two GPUs), rank 0 sends to rank 1, in one group;
 //! - `procs`: two processes through the bootstrap (two GPUs); rank 1 prints the results. With
 //!   `--verify-channel tcp`, verification between them goes over its network channel
-//!   (loopback TCP), as between hosts (`HANDOFF_VERIFY_CHANNEL=tcp` for both ranks).
+//!   (loopback TCP), as between hosts (`HANDOFF_VERIFY_CHANNEL=tcp` for both ranks). With one
+//!   GPU (or `--devices 0,0`) the two processes share it (`HANDOFF_SHARE_GPUS=1`: NCCL's socket
+//!   transport over loopback between them): a correctness run of the sharing mode, every value
+//!   checked as usual, whose times are not performance figures (a line before the table says
+//!   so).
 //!
 //! `--memory pool|nccl|registered|window` chooses the buffers' kind, for every way: the pool
 //! (default), `ncclMemAlloc` memory, that memory registered with the communicator each way's
@@ -52,7 +56,7 @@ enum Mode {
     /// Two ranks in this process (two GPUs).
     #[value(name = "inproc")]
     InProc,
-    /// Two processes through the bootstrap (two GPUs).
+    /// Two processes through the bootstrap (two GPUs; on one, they share it).
     #[value(name = "procs")]
     Procs,
 }
@@ -162,6 +166,8 @@ struct Setup {
     recv_s: Stream,
     role: Role,
     label: String,
+    /// [`harness::shared_gpu_note`]: the ranks share a GPU.
+    note: Option<String>,
 }
 
 fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
@@ -178,7 +184,17 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
             let unverified = vec![l.communicator(unsafe { o.comm_options().unverified() })?];
             let role = Role::of_rank(comm.rank());
             let (send_s, recv_s) = (Stream::new(comm.device())?, Stream::new(comm.device())?);
-            let mut label = format!("two processes, GPUs {:?}, through the bootstrap", o.devices);
+            let mut label = if l.share_gpus {
+                format!(
+                    "two processes through the bootstrap, sharing GPUs (rank {} on GPU {} of {}, {})",
+                    l.rank,
+                    comm.device().ordinal(),
+                    Device::count()?,
+                    comm.device().name()?
+                )
+            } else {
+                format!("two processes, GPUs {:?}, through the bootstrap", o.devices)
+            };
             if o.verify_channel.is_some() {
                 label += ", verified over the channel (loopback TCP, HANDOFF_VERIFY_CHANNEL=tcp)";
             }
@@ -191,6 +207,7 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
                 recv_s,
                 role,
                 label,
+                note: harness::shared_gpu_note(&l),
             })
         }
         (Mode::SelfRank, _) => {
@@ -215,6 +232,7 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
                 recv_s: Stream::new(&d)?,
                 role: Role::Both,
                 label,
+                note: None,
             })
         }
         _ => {
@@ -235,6 +253,7 @@ fn setup(o: &Opts, launch: Option<Launch>) -> handoff::Result<Setup> {
                 recv_s: Stream::new(&devs[1])?,
                 role: Role::Both,
                 label,
+                note: None,
             })
         }
     }
@@ -437,6 +456,9 @@ fn run<T: NcclType + PartialEq>(o: &Opts, launch: Option<Launch>) -> handoff::Re
             o.sweep.repeats,
             if o.nonblocking { "non-blocking" } else { "blocking" }
         );
+        if let Some(note) = &s.note {
+            println!("{note}");
+        }
         println!("{}", harness::header());
     }
     let mut rows = Vec::new();

@@ -6,16 +6,22 @@
 //! use tracking keeps each round's A from overwriting x before the send has read it, and each
 //! receive from overwriting x before B has read it. Every y is checked.
 //!
-//! - Run plainly (`cargo run --example send_recv`), it starts two processes of itself, one GPU
-//!   each, as a launcher would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
-//! - Run under torchrun, Slurm or mpirun, it plays the one rank their variables name.
-//! - With one GPU it says that two are needed and runs the same flow as a one-rank
-//!   communicator sending to itself. With none it exits non-zero.
+//! - Run plainly (`cargo run --example send_recv`), it starts two processes of itself as a
+//!   launcher would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): one GPU each where
+//!   there are two, both on GPU 0 where there is one. Two ranks on one GPU run in handoff's
+//!   sharing mode (`spawn_local_with` and `GpuSharing::WhenFewerGpus`: each process its own NCCL
+//!   host id, NCCL's socket transport over loopback between them), a development mode: correct,
+//!   not fast. With no GPU it exits non-zero.
+//! - Run under torchrun, Slurm or mpirun, it plays the one rank their variables name
+//!   (with `HANDOFF_SHARE_GPUS=1`, ranks of one machine share its GPUs the same way).
+//!
+//! Each rank prints its rank, process id and GPU (`shared` when ranks share GPUs).
 
 use std::time::Duration;
 
 use handoff::kernels::{self, produced_value};
-use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Launch, Stream, group};
+use handoff::nccl::bootstrap::{GpuSharing, spawn_local_with};
+use handoff::{CommOptions, Device, DeviceBuffer, Launch, Stream};
 
 const ROUNDS: u32 = 4;
 const N: usize = 4;
@@ -33,27 +39,22 @@ fn main() {
     }
 }
 
-/// No launcher: start two ranks as processes, or fall back to one GPU.
+/// No launcher: start the two ranks as processes of this executable, on one GPU each or, with
+/// one GPU, both on it.
 fn start() -> handoff::Result<()> {
-    let gpus = Device::count()?;
-    match gpus {
-        0 => Err(handoff::Error::NoDevice {
-            reason: "the CUDA runtime reports 0 devices".into(),
-        }),
-        1 => {
-            println!(
-                "send_recv: two GPUs are needed for the two-process run; this machine has one. \
-                 Running the same flow as a one-rank communicator that sends to itself."
-            );
-            run_self()
+    match Device::count()? {
+        0 => {
+            return Err(handoff::Error::NoDevice {
+                reason: "the CUDA runtime reports 0 devices".into(),
+            });
         }
-        _ => spawn_two(),
+        1 => println!(
+            "send_recv: one GPU: starting 2 processes (ranks 0 and 1) that share GPU 0 \
+             (development mode: NCCL's socket transport over loopback, correct, not fast)"
+        ),
+        _ => println!("send_recv: starting 2 processes (ranks 0 and 1, GPUs 0 and 1) on this machine"),
     }
-}
-
-fn spawn_two() -> handoff::Result<()> {
-    println!("send_recv: starting 2 processes (ranks 0 and 1, GPUs 0 and 1) on this machine");
-    let children = handoff::nccl::bootstrap::spawn_local(2, |_, _| {})?;
+    let children = spawn_local_with(2, GpuSharing::WhenFewerGpus, |_, _| {})?;
     let mut failed = Vec::new();
     for (rank, mut c) in children.into_iter().enumerate() {
         match c.wait() {
@@ -87,17 +88,18 @@ fn check(round: u32, y: &[f32]) -> handoff::Result<()> {
     }
 }
 
-/// One rank of the two-process run.
+/// One rank of the two-process run (started here or by a launcher).
 fn run_rank(launch: &Launch) -> handoff::Result<()> {
     let comm = launch.communicator(CommOptions::default().with_timeout(TIMEOUT))?;
     let gpu = comm.device();
     let who = format!(
-        "[rank {} of {} | pid {} | GPU {} {}]",
+        "[rank {} of {} | pid {} | GPU {} {}{}]",
         comm.rank(),
         comm.world_size(),
         std::process::id(),
         gpu.ordinal(),
-        gpu.name()?
+        gpu.name()?,
+        if launch.share_gpus { ", shared" } else { "" }
     );
     println!("{who} joined through {} at {}", launch.launcher, launch.master);
     let stream = Stream::new(gpu)?;
@@ -129,42 +131,5 @@ fn run_rank(launch: &Launch) -> handoff::Result<()> {
     stream.synchronize()?; // cleanup needs completion
     comm.finalize()?;
     println!("{who} done: {ROUNDS} rounds");
-    Ok(())
-}
-
-/// The same flow on one GPU: rank 0 of a one-rank communicator sends to itself.
-fn run_self() -> handoff::Result<()> {
-    let gpu = Device::new(0)?;
-    let comm = Communicator::init_all(std::slice::from_ref(&gpu))?
-        .pop()
-        .expect("one communicator");
-    let who = format!(
-        "[rank 0 of 1 | pid {} | GPU 0 {}]",
-        std::process::id(),
-        gpu.name()?
-    );
-    let (s0, s1) = (Stream::new(&gpu)?, Stream::new(&gpu)?);
-    let mut x = DeviceBuffer::<f32>::zeros(N, &s0)?;
-    let mut received = DeviceBuffer::<f32>::zeros(N, &s1)?;
-    let mut y = DeviceBuffer::<f32>::zeros(N, &s1)?;
-    for round in 0..ROUNDS {
-        kernels::produce(&mut x, round, &s0)?; // A on S0
-        group(|g| {
-            g.send(&comm, &x, 0, &s0)?; // send on S0 ...
-            g.recv(&comm, &mut received, 0, &s1) // ... received on S1
-        })?;
-        kernels::twice(&received, &mut y, &s1)?; // B on S1
-        let host = y.to_vec(&s1)?;
-        check(round, &host)?;
-        println!(
-            "{who} round {round}: A wrote x = {}, sent to itself; B computed y = 2x = {}",
-            fmt(&x.to_vec(&s0)?),
-            fmt(&host)
-        );
-    }
-    s0.synchronize()?;
-    s1.synchronize()?;
-    comm.finalize()?;
-    println!("{who} done: {ROUNDS} rounds, every y checked");
     Ok(())
 }

@@ -48,9 +48,8 @@ fn main() {
             synchronize_and_finalize,
         ),
         g.trial("two_ranks_in_one_process", 2, two_ranks_in_one_process),
-        g.trial(
+        g.ranks_trial(
             "two_processes_through_the_bootstrap",
-            2,
             two_processes_through_the_bootstrap,
         ),
         g.trial(

@@ -42,6 +42,11 @@ fn main() {
             hazard_replay_then_write,
         ),
         g.trial(
+            "hazard_a_second_replay_behind_a_long_kernel_is_what_another_stream_waits_for",
+            1,
+            record_rule,
+        ),
+        g.trial(
             "a_buffer_dropped_under_a_graph_makes_its_replay_an_error",
             1,
             dropped_buffer,
@@ -52,19 +57,16 @@ fn main() {
             1,
             another_thread,
         ),
-        g.trial(
+        g.ranks_trial(
             "an_operation_captured_on_one_rank_only_is_a_mismatch_on_both",
-            2,
             captured_on_one_rank_only,
         ),
-        g.trial(
+        g.ranks_trial(
             "a_rank_replaying_alone_is_stopped_within_the_timeout",
-            2,
             replaying_alone,
         ),
-        g.trial(
+        g.ranks_trial(
             "replays_on_two_ranks_in_different_orders_end_right_or_bounded",
-            2,
             replays_in_different_orders,
         ),
     ])
@@ -195,6 +197,30 @@ fn hazard_host_read_after_replay() -> Result<(), Failed> {
     })
 }
 
+/// The graph record rule that tracking of replays rests on: `cudaGraphLaunch` makes the graph's
+/// external event-record node the event's latest record at once, in host order, as
+/// `cudaEventRecord` would. A first replay completes (its record complete); a second is queued
+/// behind a long kernel and another stream reads its output at once: the read must wait for
+/// the second replay, not take the first one's completed record for the event's latest.
+fn record_rule() -> Result<(), Failed> {
+    let (_dev, s1, s2) = common::gpu0_two_streams()?;
+    let n = 1 << 16;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &s1)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &s1)?;
+    let graph = Graph::capture(&s1, |s| kernels::twice(&x, &mut y, s))?;
+    kernels::produce(&mut x, 1, &s1)?;
+    graph.launch(&s1)?;
+    s1.synchronize()?;
+    kernels::produce(&mut x, 2, &s1)?;
+    kernels::busy(LONG, &s1)?;
+    graph.launch(&s1)?;
+    assert_all_eq(
+        "y read on another stream right after the second replay",
+        &y.to_vec(&s2)?,
+        |i| 2.0 * produced_value(i, 2),
+    )
+}
+
 /// A replay reads x slowly; x is rewritten on another stream right after the launch.
 fn hazard_replay_then_write() -> Result<(), Failed> {
     let (_dev, s1, s2) = common::gpu0_two_streams()?;
@@ -323,7 +349,7 @@ fn another_thread() -> Result<(), Failed> {
 /// NCCL requires an operation to be captured on both ranks of a transfer or on neither: rank 0
 /// captures its send while rank 1 receives eagerly, and verification refuses both, before NCCL.
 fn captured_on_one_rank_only() -> Result<(), Failed> {
-    let results = common::two_threads([CommOptions::default(); 2], move |made| {
+    let results = common::two_ranks([CommOptions::default(); 2], move |made| {
         let comm = made.map_err(|e| e.to_string())?;
         let rank = comm.rank();
         let run = || -> handoff::Result<()> {
@@ -362,7 +388,7 @@ fn one_way(comm: &Communicator, buf: &mut DeviceBuffer<f32>, s: &Stream) -> hand
 /// blocked for good inside a launch.
 fn replaying_alone() -> Result<(), Failed> {
     let timeout = Duration::from_secs(2);
-    let results = common::two_threads([CommOptions::default().with_timeout(timeout); 2], move |made| {
+    let results = common::two_ranks([CommOptions::default().with_timeout(timeout); 2], move |made| {
         let comm = made.map_err(|e| e.to_string())?;
         let rank = comm.rank();
         let run = || -> handoff::Result<String> {
@@ -409,7 +435,7 @@ fn replaying_alone() -> Result<(), Failed> {
 /// Never wrong data, never an unbounded wait.
 fn replays_in_different_orders() -> Result<(), Failed> {
     let timeout = Duration::from_secs(3);
-    let results = common::two_threads([CommOptions::default().with_timeout(timeout); 2], move |made| {
+    let results = common::two_ranks([CommOptions::default().with_timeout(timeout); 2], move |made| {
         let comm_a = made.map_err(|e| e.to_string())?;
         let rank = comm_a.rank();
         let run = || -> handoff::Result<String> {

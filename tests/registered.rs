@@ -55,19 +55,16 @@ fn main() {
             1,
             window_refusals,
         ),
-        g.trial(
+        g.ranks_trial(
             "window_sizes_that_differ_between_ranks_are_a_mismatch_on_both",
-            2,
             || two_rank_mismatch(false),
         ),
-        g.trial(
+        g.ranks_trial(
             "a_rank_whose_window_is_refused_makes_it_a_mismatch_on_the_other",
-            2,
             || two_rank_mismatch(true),
         ),
-        g.trial(
+        g.ranks_trial(
             "two_rank_windows_all_reduce_and_copy_engine_all_gather",
-            2,
             two_rank_windows,
         ),
     ]);
@@ -252,7 +249,7 @@ fn window_refusals() -> Result<(), Failed> {
 /// Two ranks, one thread each: rank 1 registers a window of another size (or of pool memory);
 /// both get an error before NCCL, and the communicator still works.
 fn two_rank_mismatch(refuse: bool) -> Result<(), Failed> {
-    let results = common::two_threads([CommOptions::default(); 2], move |made| {
+    let results = common::two_ranks([CommOptions::default(); 2], move |made| {
         let comm = made.map_err(|e| e.to_string())?;
         let rank = comm.rank();
         let s = Stream::new(comm.device()).map_err(|e| e.to_string())?;
@@ -293,7 +290,7 @@ fn two_rank_mismatch(refuse: bool) -> Result<(), Failed> {
 /// checked (NCCL_DEBUG=INFO shows which path NCCL took).
 fn two_rank_windows() -> Result<(), Failed> {
     let options = CommOptions::default().with_cta_policy(CtaPolicy::Zero);
-    let results = common::two_threads([options; 2], move |made| {
+    let results = common::two_ranks([options; 2], move |made| {
         let comm = made.map_err(|e| e.to_string())?;
         let rank = comm.rank();
         let e = |e: Error| format!("rank {rank}: {e}");

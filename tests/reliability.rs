@@ -17,6 +17,7 @@ use libtest_mimic::Failed;
 fn main() {
     common::run_child_role(&[
         ("dead_peer", child_dead_peer),
+        ("dead_peer_of_three", child_dead_peer_of_three),
         ("mismatch_count", || child_mismatch(3, false)),
         ("mismatch_type", || child_mismatch(4, true)),
     ]);
@@ -33,11 +34,15 @@ fn main() {
             drop_comm_with_pending_work,
         ),
         g.trial("soak_article_loop_with_random_delays", 1, soak),
-        g.trial("dead_peer_survivor_errors_within_its_timeout", 2, dead_peer),
-        g.trial("mismatched_count_across_two_processes", 2, || {
+        g.ranks_trial("dead_peer_survivor_errors_within_its_timeout", dead_peer),
+        g.ranks_trial(
+            "a_rank_killed_among_three_survivors_error_within_their_timeout",
+            dead_peer_among_three,
+        ),
+        g.ranks_trial("mismatched_count_across_two_processes", || {
             mismatch_across_processes("mismatch_count")
         }),
-        g.trial("mismatched_type_across_two_processes", 2, || {
+        g.ranks_trial("mismatched_type_across_two_processes", || {
             mismatch_across_processes("mismatch_type")
         }),
     ]);
@@ -297,6 +302,59 @@ fn dead_peer() -> Result<(), Failed> {
     }
     if took > Duration::from_secs(30) {
         return Err(format!("the survivor took {took:?}").into());
+    }
+    Ok(())
+}
+
+/// Three ranks all-reduce in a loop; rank 2 is killed after round 20. Ranks 0 and 1 each report
+/// the failure (an error from the all-reduce or its wait) within their 10 s timeout, and exit.
+fn dead_peer_among_three() -> Result<(), Failed> {
+    let mut kids = common::spawn_n("dead_peer_of_three", 3, true)?;
+    let out0 = kids[0].stdout.take().ok_or("no stdout")?;
+    let mut lines0 = BufReader::new(out0).lines();
+    for line in lines0.by_ref() {
+        if line?.contains("round 20") {
+            break;
+        }
+    }
+    let mut victim = kids.pop().ok_or("no rank 2")?;
+    victim.kill()?;
+    let killed = Instant::now();
+    let _ = victim.wait();
+    // The rest of rank 0's output, read beside the wait so that its pipe never fills.
+    let rest0 = std::thread::spawn(move || lines0.map_while(Result::ok).collect::<Vec<_>>().join("\n"));
+    let survivors = common::wait_all(kids, Duration::from_secs(60))?;
+    let took = killed.elapsed();
+    let outs = [rest0.join().unwrap_or_default(), survivors[1].1.clone()];
+    for (rank, ((status, _), out)) in survivors.iter().zip(&outs).enumerate() {
+        let last = out.lines().last().unwrap_or("");
+        println!("rank {rank} ({status}, all ended {took:?} after the kill): {last}");
+        if !status.success() || !out.contains("peer failure detected") {
+            return Err(format!("rank {rank} did not report the dead peer").into());
+        }
+    }
+    if took > Duration::from_secs(30) {
+        return Err(format!("the survivors took {took:?}").into());
+    }
+    Ok(())
+}
+
+/// A rank of [`dead_peer_among_three`].
+fn child_dead_peer_of_three() -> Result<(), Failed> {
+    let launch = Launch::from_env()?.ok_or("no launcher variables")?;
+    let comm = launch.communicator(CommOptions::default().with_timeout(Duration::from_secs(10)))?;
+    let s = Stream::new(comm.device())?;
+    let mut x = DeviceBuffer::<f32>::zeros(1 << 12, &s)?;
+    for round in 0.. {
+        let r = comm
+            .all_reduce_in_place(&mut x, handoff::ReduceOp::Sum, &s)
+            .and_then(|()| comm.wait_stream(&s));
+        if let Err(e) = r {
+            println!("peer failure detected in round {round}: {e}");
+            return Ok(());
+        }
+        println!("round {round}");
+        std::thread::sleep(Duration::from_millis(10));
     }
     Ok(())
 }

@@ -10,7 +10,7 @@ mod common;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::{Gpus, assert_all_eq, two_threads};
+use common::{Gpus, assert_all_eq, two_ranks};
 use handoff::kernels::{self, produced_value};
 use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Error, Stream, group};
 use libtest_mimic::Failed;
@@ -24,14 +24,12 @@ fn main() {
             2,
             short_receive_in_one_process,
         ),
-        g.trial(
-            "hole1_short_receive_across_threads_is_a_mismatch_on_both",
-            2,
-            short_receive_across_threads,
+        g.ranks_trial(
+            "hole1_short_receive_across_processes_is_a_mismatch_on_both",
+            short_receive_across_processes,
         ),
-        g.trial(
+        g.ranks_trial(
             "hostile1_a_send_against_a_gathers_part_is_a_mismatch_on_both",
-            2,
             send_against_a_gathers_part,
         ),
         g.trial(
@@ -39,9 +37,8 @@ fn main() {
             2,
             send_against_a_gathers_part_in_one_process,
         ),
-        g.trial(
+        g.ranks_trial(
             "hole2_ranks_disagreeing_on_verification_fail_at_creation",
-            2,
             disagreeing_ranks,
         ),
         g.trial(
@@ -59,9 +56,8 @@ fn main() {
             2,
             long_kernel_before_a_transfer,
         ),
-        g.trial(
+        g.ranks_trial(
             "hole6c_host_wait_behind_a_stuck_receive_is_bounded",
-            2,
             stuck_receive_is_bounded,
         ),
     ]);
@@ -139,10 +135,10 @@ fn both_directions_matched() -> Result<(), Failed> {
     Ok(())
 }
 
-fn short_receive_across_threads() -> Result<(), Failed> {
+fn short_receive_across_processes() -> Result<(), Failed> {
     let n = 4_194_304;
     let opts = CommOptions::default().with_timeout(Duration::from_secs(20));
-    let results = two_threads([opts, opts], move |made| {
+    let results = two_ranks([opts, opts], move |made| {
         let comm = made.map_err(|e| e.to_string())?;
         let s = Stream::new(comm.device()).map_err(|e| e.to_string())?;
         let mut x = DeviceBuffer::<f32>::zeros(n, &s).map_err(|e| e.to_string())?;
@@ -182,7 +178,7 @@ fn short_receive_across_threads() -> Result<(), Failed> {
 /// of 4096 elements right after it stays zero).
 fn send_against_a_gathers_part() -> Result<(), Failed> {
     let opts = CommOptions::default().with_timeout(Duration::from_secs(20));
-    let results = two_threads([opts, opts], |made| {
+    let results = two_ranks([opts, opts], |made| {
         let comm = made.map_err(|e| e.to_string())?;
         let e = |e: Error| e.to_string();
         let s = Stream::new(comm.device()).map_err(e)?;
@@ -278,7 +274,7 @@ fn disagreeing_ranks() -> Result<(), Failed> {
     let verified = CommOptions::default().with_timeout(Duration::from_secs(20));
     // SAFETY: the communicator must not be made; if it were, nothing is sent on it.
     let unverified = unsafe { verified.unverified() };
-    let results = two_threads([verified, unverified], |made| match made {
+    let results = two_ranks([verified, unverified], |made| match made {
         Err(Error::Setup { detail }) => Ok(detail),
         other => Err(format!("expected a set-up error, got {other:?}")),
     })?;
@@ -354,7 +350,7 @@ fn long_kernel_before_a_transfer() -> Result<(), Failed> {
 /// the buffer must still return, with an error, once the watchdog aborts rank 1 (timeout 2 s).
 fn stuck_receive_is_bounded() -> Result<(), Failed> {
     let opts = CommOptions::default().with_timeout(Duration::from_secs(2));
-    let results = two_threads([opts, opts], |made| {
+    let results = two_ranks([opts, opts], |made| {
         let comm = made.map_err(|e| e.to_string())?;
         let s = Stream::new(comm.device()).map_err(|e| e.to_string())?;
         let mut x = DeviceBuffer::<f32>::zeros(1 << 16, &s).map_err(|e| e.to_string())?;

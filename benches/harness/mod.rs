@@ -8,6 +8,8 @@
 
 use std::fmt::Write as _;
 
+use handoff::Launch;
+use handoff::nccl::bootstrap::{GpuSharing, spawn_local_with};
 use plotters::prelude::*;
 
 /// One value of a row for a way: its time, or its bus bandwidth.
@@ -124,9 +126,21 @@ impl Role {
 
 /// Starts the running benchmark again as two ranks in two processes, with its arguments, as a
 /// launcher would: rank `r` on GPU `local_ranks[r]`. Waits for both.
+///
+/// With fewer than two GPUs, or both ranks given one GPU, the two ranks share it
+/// (`GpuSharing::WhenFewerGpus`, `GpuSharing::Always`): each process its own NCCL host id,
+/// NCCL's socket transport over loopback between them, each rank on the GPU that
+/// `Launch::device` gives its `LOCAL_RANK` (GPU 0 for both with one GPU).
+/// Such a run checks the values as any other, but its times are the sharing mode's socket path:
+/// each benchmark prints [`shared_gpu_note`] before its table.
 pub fn spawn_procs(local_ranks: [usize; 2]) -> Result<(), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let kids = handoff::nccl::bootstrap::spawn_local(2, |rank, cmd| {
+    let sharing = if local_ranks[0] == local_ranks[1] {
+        GpuSharing::Always
+    } else {
+        GpuSharing::WhenFewerGpus
+    };
+    let kids = spawn_local_with(2, sharing, |rank, cmd| {
         cmd.args(&args).env("LOCAL_RANK", local_ranks[rank].to_string());
     })
     .map_err(|e| e.to_string())?;
@@ -140,6 +154,23 @@ pub fn spawn_procs(local_ranks: [usize; 2]) -> Result<(), String> {
     } else {
         Err(format!("rank(s) {failed:?} failed"))
     }
+}
+
+/// For a rank whose launch shares GPUs (`HANDOFF_SHARE_GPUS=1`, as [`spawn_procs`] sets it on
+/// one GPU): the line to print before the table, saying that the run checks correctness and
+/// that its times are not performance figures. `None` otherwise.
+pub fn shared_gpu_note(launch: &Launch) -> Option<String> {
+    launch.share_gpus.then(|| {
+        let var = |k: &str| std::env::var(k).unwrap_or_else(|_| "unset".into());
+        format!(
+            "# CORRECTNESS RUN OF THE SHARING MODE, NOT PERFORMANCE FIGURES: the ranks share GPUs \
+             (HANDOFF_SHARE_GPUS=1, each process its own NCCL host id), so NCCL moves every byte \
+             through its network transport (NCCL_NET={}, NCCL_SOCKET_IFNAME={}), not NVLink or \
+             shared memory; the values are checked, the times below are that path's",
+            var("NCCL_NET"),
+            var("NCCL_SOCKET_IFNAME")
+        )
+    })
 }
 
 /// One size's medians, in µs per operation, indexed like [`WAYS`].

@@ -3,8 +3,19 @@
 //! Each test declares how many GPUs it needs. Where fewer are usable it reports as *ignored*,
 //! never passed, unless `HANDOFF_REQUIRE_GPUS=N` says N must be there: then every test needing
 //! at most N GPUs *fails* with the reason none are usable.
+//!
+//! A test whose ranks are processes ([`Gpus::ranks_trial`], [`ranks`], [`spawn_ranks`]) needs
+//! one GPU whatever its number of ranks: where there are fewer GPUs than ranks, the ranks share
+//! them (`GpuSharing::WhenFewerGpus`: NCCL's socket transport between processes that each have
+//! an NCCL host id of their own). A test whose ranks are threads of one process needs a GPU per
+//! rank: NCCL reads its host id once per process, so threads cannot share a GPU.
 #![allow(dead_code)]
 
+use std::cell::RefCell;
+use std::io::{BufRead, BufReader};
+use std::time::{Duration, Instant};
+
+use handoff::nccl::bootstrap::{GpuSharing, spawn_local_with};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// What this machine offers.
@@ -38,7 +49,12 @@ impl Gpus {
     }
 
     /// A trial that needs `needs` GPUs.
-    pub fn trial(&self, name: &str, needs: usize, f: TestFn) -> Trial {
+    pub fn trial(
+        &self,
+        name: &str,
+        needs: usize,
+        f: impl FnOnce() -> Result<(), Failed> + Send + 'static,
+    ) -> Trial {
         if self.usable >= needs {
             Trial::test(name, f)
         } else if self.required >= needs {
@@ -51,6 +67,155 @@ impl Gpus {
             Trial::test(name, f).with_ignored_flag(true)
         }
     }
+}
+
+impl Gpus {
+    /// A trial whose ranks are processes (through [`ranks`] or [`spawn_ranks`]): it needs one
+    /// GPU, whatever its number of ranks, which they share when there are fewer GPUs than ranks.
+    pub fn ranks_trial(&self, name: &str, f: impl FnOnce() -> Result<(), Failed> + Send + 'static) -> Trial {
+        let owned = name.to_string();
+        self.trial(name, 1, move || {
+            // The trial runs on one thread: the name set here is the trial that `ranks` re-runs
+            // in each rank's process.
+            TRIAL.with(|t| *t.borrow_mut() = Some((owned, false)));
+            let r = f();
+            TRIAL.with(|t| *t.borrow_mut() = None);
+            r
+        })
+    }
+}
+
+thread_local! {
+    /// The [`Gpus::ranks_trial`] this thread is running, and whether it has called [`ranks`].
+    static TRIAL: RefCell<Option<(String, bool)>> = const { RefCell::new(None) };
+}
+
+/// Set in a rank process that [`ranks`] starts: the trial it re-runs, as one rank.
+const RANKS_VAR: &str = "HANDOFF_TEST_RANKS_OF";
+/// Starts the line on which a rank process reports its result to [`ranks`].
+const RESULT_MARK: &str = "HANDOFF_RANK_RESULT ";
+/// How long [`ranks`] waits for its rank processes before it kills them and fails.
+const RANKS_DEADLINE: Duration = Duration::from_secs(300);
+
+/// Runs `body` as every rank of a `world`-rank communicator, one process of this test binary
+/// per rank (sharing GPUs where there are fewer than `world`), and returns each rank's result
+/// in rank order: `body` gets its rank's communicator made with `options[rank]` (or the error
+/// making it). The trial (a [`Gpus::ranks_trial`]) is re-run in each rank's process up to this
+/// call, which there runs `body` once, reports and exits: so one call per trial (a second is
+/// an error), and nothing before it that the rank processes must not repeat.
+pub fn ranks<T: serde::Serialize + serde::de::DeserializeOwned>(
+    options: &[handoff::CommOptions],
+    body: impl Fn(Result<handoff::Communicator, handoff::Error>) -> Result<T, String>,
+) -> Result<Vec<Result<T, String>>, Failed> {
+    let (trial, called) = TRIAL
+        .with(|t| {
+            t.borrow_mut()
+                .as_mut()
+                .map(|(name, called)| (name.clone(), std::mem::replace(called, true)))
+        })
+        .ok_or("common::ranks called outside a Gpus::ranks_trial")?;
+    if called {
+        // A rank process re-runs the trial and plays the first call it meets.
+        return Err("common::ranks called twice in one trial: give each call a trial of its own".into());
+    }
+    if std::env::var(RANKS_VAR).ok().as_deref() == Some(trial.as_str()) {
+        // This process is one of the ranks.
+        let made = handoff::Launch::from_env().and_then(|l| {
+            let l = l.ok_or_else(|| handoff::Error::InvalidArgument("no RANK in a rank process".into()))?;
+            l.communicator(options[l.rank])
+        });
+        let result = body(made);
+        let line = serde_json::to_string(&result).map_err(|e| e.to_string())?;
+        // On a line of its own: libtest has printed "test NAME ... " without a newline.
+        println!("\n{RESULT_MARK}{line}");
+        std::process::exit(0);
+    }
+    let world = options.len();
+    let kids = spawn_local_with(world, GpuSharing::WhenFewerGpus, |_, cmd| {
+        cmd.args([trial.as_str(), "--exact", "--test-threads", "1"])
+            .env(RANKS_VAR, &trial)
+            .stdout(std::process::Stdio::piped());
+    })?;
+    let outputs = wait_all(kids, RANKS_DEADLINE)?;
+    for (rank, (status, out)) in outputs.iter().enumerate() {
+        println!("[rank {rank}, {status}]");
+        for l in out
+            .lines()
+            .filter(|l| !l.is_empty() && !l.starts_with(RESULT_MARK))
+        {
+            println!("[rank {rank}] {l}");
+        }
+    }
+    outputs
+        .into_iter()
+        .enumerate()
+        .map(|(rank, (status, out))| {
+            let line = out
+                .lines()
+                .find_map(|l| l.strip_prefix(RESULT_MARK))
+                .ok_or_else(|| format!("rank {rank} ended ({status}) without a result"))?;
+            serde_json::from_str(line).map_err(|e| format!("rank {rank}'s result {line:?}: {e}").into())
+        })
+        .collect()
+}
+
+/// [`ranks`] for two ranks.
+pub fn two_ranks<T: serde::Serialize + serde::de::DeserializeOwned>(
+    options: [handoff::CommOptions; 2],
+    body: impl Fn(Result<handoff::Communicator, handoff::Error>) -> Result<T, String>,
+) -> Result<[Result<T, String>; 2], Failed> {
+    let mut r = ranks(&options, body)?.into_iter();
+    Ok([r.next().ok_or("no rank 0")?, r.next().ok_or("no rank 1")?])
+}
+
+/// Waits for every child, reading its piped standard output (if any) as it goes; kills them
+/// all and fails once `deadline` has passed.
+pub fn wait_all(
+    kids: Vec<std::process::Child>,
+    deadline: Duration,
+) -> Result<Vec<(std::process::ExitStatus, String)>, Failed> {
+    let start = Instant::now();
+    let mut kids: Vec<_> = kids
+        .into_iter()
+        .map(|mut k| {
+            // Read on a thread of its own: a child that fills its pipe must not block.
+            let reader = k.stdout.take().map(|out| {
+                std::thread::spawn(move || {
+                    let mut text = String::new();
+                    for l in BufReader::new(out).lines() {
+                        text.push_str(&l.unwrap_or_default());
+                        text.push('\n');
+                    }
+                    text
+                })
+            });
+            (k, reader)
+        })
+        .collect();
+    let mut statuses = vec![None; kids.len()];
+    while statuses.iter().any(Option::is_none) {
+        for (i, (k, _)) in kids.iter_mut().enumerate() {
+            if statuses[i].is_none() {
+                statuses[i] = k.try_wait()?;
+            }
+        }
+        if start.elapsed() > deadline {
+            for (k, _) in &mut kids {
+                let _ = k.kill();
+                let _ = k.wait();
+            }
+            return Err(format!("the rank processes ran past {deadline:?}: killed").into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(kids
+        .into_iter()
+        .zip(statuses)
+        .map(|((_, reader), status)| {
+            let out = reader.map(|r| r.join().unwrap_or_default()).unwrap_or_default();
+            (status.expect("waited"), out)
+        })
+        .collect())
 }
 
 /// Runs the trials and exits with libtest's status.
@@ -124,9 +289,15 @@ pub fn run_child_role(roles: &[(&str, TestFn)]) {
     std::process::exit(0);
 }
 
-/// Starts two ranks of this test binary on this machine, playing `role`.
+/// Starts two ranks of this test binary on this machine, playing `role`: [`spawn_n`].
 pub fn spawn_ranks(role: &str, piped_stdout: bool) -> Result<Vec<std::process::Child>, Failed> {
-    Ok(handoff::nccl::bootstrap::spawn_local(2, |_, cmd| {
+    spawn_n(role, 2, piped_stdout)
+}
+
+/// Starts `world` ranks of this test binary on this machine, playing `role`, sharing the GPUs
+/// where there are fewer than `world`.
+pub fn spawn_n(role: &str, world: usize, piped_stdout: bool) -> Result<Vec<std::process::Child>, Failed> {
+    Ok(spawn_local_with(world, GpuSharing::WhenFewerGpus, |_, cmd| {
         cmd.env(CHILD_VAR, role);
         if piped_stdout {
             cmd.stdout(std::process::Stdio::piped());
@@ -149,35 +320,6 @@ pub fn one_rank(options: handoff::CommOptions) -> Result<(handoff::Device, hando
         .pop()
         .ok_or("no communicator")?;
     Ok((dev, comm))
-}
-
-/// Two ranks of one process, one thread each (the same path as two processes: shared-memory
-/// mailboxes), made with `options[rank]`; `body` gets each rank's communicator, or the error
-/// making it. A thread that panics reports "panicked".
-pub fn two_threads<T: Send + 'static>(
-    options: [handoff::CommOptions; 2],
-    body: impl Fn(Result<handoff::Communicator, handoff::Error>) -> Result<T, String>
-    + Send
-    + Sync
-    + Clone
-    + 'static,
-) -> Result<[Result<T, String>; 2], Failed> {
-    let id = handoff::UniqueId::new()?;
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let (id, body) = (id.clone(), body.clone());
-            let opts = options[rank];
-            std::thread::spawn(move || {
-                let made = handoff::Device::new(rank)
-                    .and_then(|d| handoff::Communicator::with_options(2, rank, &id, opts, &d));
-                body(made)
-            })
-        })
-        .collect();
-    let mut out = handles
-        .into_iter()
-        .map(|h| h.join().unwrap_or_else(|_| Err("panicked".into())));
-    Ok([out.next().unwrap(), out.next().unwrap()])
 }
 
 /// Both ranks' values, or every rank's error, each named.

@@ -7,8 +7,9 @@
 //! `NCCL_SOCKET_IFNAME` its end of the pair. NCCL's log (`NCCL_DEBUG=INFO`) must show the
 //! socket transport.
 //!
-//! They need two usable GPUs and the namespaces; otherwise they report ignored, saying why,
-//! except that under `HANDOFF_REQUIRE_GPUS=2` (or more) fewer than two GPUs fail them.
+//! With one GPU, both ranks take it (NCCL allows that here: their host ids differ). They need a
+//! usable GPU and the namespaces; otherwise they report ignored, saying why, except that under
+//! `HANDOFF_REQUIRE_GPUS` no usable GPU fails them.
 
 use std::path::Path;
 use std::process::Child;
@@ -36,19 +37,16 @@ const UNTOUCHED: f32 = -1.5;
 /// namespaces cannot be made, if they cannot.
 pub fn trials(no_namespaces: Option<&str>) -> Vec<Trial> {
     let gpus = Gpus::detect();
-    if gpus.usable < 2 {
-        eprintln!(
-            "hosts: the GPU trials need 2 GPUs, {} usable ({})",
-            gpus.usable, gpus.reason
-        );
+    if gpus.usable == 0 {
+        eprintln!("hosts: the GPU trials need a GPU ({})", gpus.reason);
     } else if let Some(why) = no_namespaces {
         eprintln!("hosts: the GPU trials are ignored: {why}");
     }
     let trial = |name: &str, f: fn() -> Result<(), Failed>| {
-        let t = gpus.trial(name, 2, f);
-        // Fewer GPUs than required fails whatever the namespaces; otherwise no namespaces, no
-        // trial.
-        if gpus.usable >= 2 && no_namespaces.is_some() {
+        let t = gpus.trial(name, 1, f);
+        // No GPU where one is required fails whatever the namespaces; otherwise no
+        // namespaces, no trial.
+        if gpus.usable >= 1 && no_namespaces.is_some() {
             t.with_ignored_flag(true)
         } else {
             t
@@ -66,8 +64,9 @@ pub fn trials(no_namespaces: Option<&str>) -> Vec<Trial> {
     ]
 }
 
-/// The GPU that rank `rank` takes: the `rank`-th of those this process sees.
+/// The GPU that rank `rank` takes: the `rank`-th of those this process sees, round-robin.
 fn visible(rank: usize) -> String {
+    let rank = rank % handoff::Device::count().unwrap_or(1).max(1);
     match std::env::var("CUDA_VISIBLE_DEVICES") {
         Ok(list) if !list.trim().is_empty() => list
             .split(',')
