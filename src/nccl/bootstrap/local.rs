@@ -13,7 +13,6 @@
 //! handoff's own verification is unchanged: it finds ranks of one machine by the boot id, not
 //! by NCCL's host id, and checks them through shared memory as before.
 
-use std::net::TcpListener;
 use std::sync::Once;
 
 use super::secret::{SECRET_FILE_VAR, SECRET_VAR, Secret};
@@ -152,6 +151,24 @@ pub(crate) fn rank_device(local_rank: usize, share: bool) -> Result<Device> {
     }
 }
 
+/// Where rank 0 of a local launch serves the unique id: a loopback address drawn at random
+/// (all of 127.0.0.0/8 is this host's; not 127.0.0.x, where the rest of the host's loopback
+/// traffic is) and a port of 20000-29999: nothing else binds that address. Never
+/// a port found free by binding it for a moment: a process that another thread spawns at that
+/// moment inherits the listener until it execs, and rank 0's bind then fails (seen on the
+/// 16-core H200 machine with many launches at once).
+fn local_master() -> std::io::Result<std::net::SocketAddrV4> {
+    let mut b = [0u8; 5];
+    loop {
+        super::secret::random(&mut b)?;
+        if (b[0], b[1]) != (0, 0) && !matches!(b[2], 0 | 255) {
+            let ip = std::net::Ipv4Addr::new(127, b[0], b[1], b[2]);
+            let port = 20_000 + u16::from_le_bytes([b[3], b[4]]) % 10_000;
+            return Ok(std::net::SocketAddrV4::new(ip, port));
+        }
+    }
+}
+
 /// Starts `world` copies of the running executable on this machine, one rank each, one GPU
 /// each: [`spawn_local_with`] and [`GpuSharing::Never`].
 ///
@@ -165,8 +182,8 @@ pub fn spawn_local(
 }
 
 /// Starts `world` copies of the running executable on this machine, one rank each, as a
-/// launcher would: rank `r` gets `RANK=r`, `WORLD_SIZE`, `LOCAL_RANK=r`,
-/// `MASTER_ADDR=127.0.0.1` and a free `MASTER_PORT`, and inherits the rest of the environment
+/// launcher would: rank `r` gets `RANK=r`, `WORLD_SIZE`, `LOCAL_RANK=r`, and a `MASTER_ADDR`
+/// and `MASTER_PORT` of this launch's own (see [`local_master`]), and inherits the rest of the environment
 /// (`NCCL_*` included). Unless this process has `HANDOFF_SECRET` or `HANDOFF_SECRET_FILE` set,
 /// the ranks get a fresh random `HANDOFF_SECRET`, so that no other local process can fetch
 /// their id. `configure` may change each rank's command (arguments, variables, redirections)
@@ -179,8 +196,8 @@ pub fn spawn_local(
 /// `r % count`. See the [module](super) docs for what that costs.
 ///
 /// # Errors
-/// [`Error::Bootstrap`] when no port is free, no secret can be drawn from /dev/urandom, or a
-/// process cannot be started; [`Error::InvalidArgument`] for a malformed `HANDOFF_SHARE_GPUS`;
+/// [`Error::Bootstrap`] when no address or secret can be drawn from /dev/urandom, or a process
+/// cannot be started; [`Error::InvalidArgument`] for a malformed `HANDOFF_SHARE_GPUS`;
 /// with [`GpuSharing::WhenFewerGpus`], the errors of [`Device::count`].
 pub fn spawn_local_with(
     world: usize,
@@ -198,12 +215,7 @@ pub fn spawn_local_with(
             GpuSharing::Always => true,
             GpuSharing::WhenFewerGpus => world > Device::count()?,
         };
-    // The port is free now; another program could take it before rank 0 listens, in which case
-    // rank 0 reports the port in use.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| fail(format!("no free local port: {e}")))?
-        .port();
+    let master = local_master().map_err(|e| fail(format!("cannot draw an address: {e}")))?;
     let exe = std::env::current_exe().map_err(|e| fail(format!("cannot find this executable: {e}")))?;
     let secret = match (std::env::var_os(SECRET_VAR), std::env::var_os(SECRET_FILE_VAR)) {
         (None, None) => Some(Secret::random_hex().map_err(|e| fail(format!("cannot draw a secret: {e}")))?),
@@ -215,8 +227,8 @@ pub fn spawn_local_with(
             cmd.env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string());
+                .env("MASTER_ADDR", master.ip().to_string())
+                .env("MASTER_PORT", master.port().to_string());
             if let Some(s) = &secret {
                 cmd.env(SECRET_VAR, s);
             }
