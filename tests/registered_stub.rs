@@ -8,8 +8,14 @@
 //!
 //! The crate opens each library once per process, so the test of the NCCL without the functions
 //! runs in a child process of this binary.
+//!
+//! The binary's allocator is [`Trap`], the system's with one block held back on request, so that
+//! a test can make a new communicator's state land where an old one's was.
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, AtomicU8, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use handoff::{Communicator, Device, DeviceBuffer, Error, ReduceOp, Stream, group};
@@ -66,6 +72,137 @@ impl Stubs {
     /// Counts of `names` now.
     fn counts(&self, names: &[&str]) -> Vec<i64> {
         names.iter().map(|n| self.count(n)).collect()
+    }
+}
+
+/// The system's allocator, which can also catch the block of the allocation a thread makes first
+/// after the stub NCCL creates a communicator (`ncclCommInitRankConfig`: the communicator's
+/// shared state, made right after), keep it from the system once freed, and hand it to the same
+/// allocation of the next communicator made. Address reuse is then certain, where the system's
+/// allocator gives it only by chance.
+struct Trap;
+
+#[global_allocator]
+static ALLOC: Trap = Trap;
+
+/// What [`Trap`] does: nothing.
+const IDLE: u8 = 0;
+/// Catches the next allocation after a communicator is created on the trapping thread.
+const CATCH: u8 = 1;
+/// Caught (`BLOCK`): kept from the system when freed.
+const CAUGHT: u8 = 2;
+/// Freed, and kept.
+const KEPT: u8 = 3;
+/// Hands the kept block to the next allocation after a communicator is created on the
+/// trapping thread, if it has the same layout.
+const HAND_BACK: u8 = 4;
+/// Handed back.
+const HANDED: u8 = 5;
+/// That allocation had another layout: the kept block stays kept.
+const MISSED: u8 = 6;
+
+static PHASE: AtomicU8 = AtomicU8::new(IDLE);
+static BLOCK: AtomicUsize = AtomicUsize::new(0);
+static BLOCK_SIZE: AtomicUsize = AtomicUsize::new(0);
+static BLOCK_ALIGN: AtomicUsize = AtomicUsize::new(0);
+/// The trapping thread's `ncclCommInitRankConfig` calls when armed.
+static INITS: AtomicI64 = AtomicI64::new(0);
+/// The stub NCCL's `nccl_stub_count`, set once the library is loaded (and never unloaded).
+static COUNT_FN: AtomicUsize = AtomicUsize::new(0);
+
+type CountFn = unsafe extern "C" fn(*const std::ffi::c_char, i32) -> i64;
+
+thread_local! {
+    /// Whether this thread is the one [`Trap`] watches.
+    static TRAPPING: Cell<bool> = const { Cell::new(false) };
+}
+
+impl Trap {
+    /// The calling thread's `ncclCommInitRankConfig` calls so far.
+    fn inits() -> i64 {
+        let f = COUNT_FN.load(Ordering::Acquire);
+        if f == 0 {
+            return 0;
+        }
+        // SAFETY: `f` is `long nccl_stub_count(const char *, int)` of the stub NCCL, which is
+        // never unloaded; it allocates nothing (reads the stub's counters and compares names).
+        unsafe {
+            let count: CountFn = std::mem::transmute::<usize, CountFn>(f);
+            count(c"ncclCommInitRankConfig".as_ptr(), 0)
+        }
+    }
+
+    /// Sets `phase` for the calling thread's next communicator.
+    fn arm(phase: u8) {
+        INITS.store(Trap::inits(), Ordering::Relaxed);
+        TRAPPING.with(|t| t.set(true));
+        PHASE.store(phase, Ordering::SeqCst);
+    }
+
+    /// Back to the system's allocator (a block still kept is leaked).
+    fn disarm() {
+        TRAPPING.with(|t| t.set(false));
+        PHASE.store(IDLE, Ordering::SeqCst);
+    }
+
+    fn phase() -> u8 {
+        PHASE.load(Ordering::SeqCst)
+    }
+}
+
+// SAFETY: every block comes from `System` with the layout asked for: a caught block is one
+// `System` allocated, and the one handed back has the layout it was allocated (and is now asked)
+// with; a kept block is handed out at most once, and was freed by its owner before.
+unsafe impl GlobalAlloc for Trap {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let phase = PHASE.load(Ordering::SeqCst);
+        if (phase == CATCH || phase == HAND_BACK)
+            && TRAPPING.try_with(Cell::get).unwrap_or(false)
+            && Trap::inits() > INITS.load(Ordering::Relaxed)
+        {
+            if phase == CATCH {
+                // SAFETY: the caller's layout, passed on.
+                let p = unsafe { System.alloc(layout) };
+                BLOCK.store(p as usize, Ordering::SeqCst);
+                BLOCK_SIZE.store(layout.size(), Ordering::SeqCst);
+                BLOCK_ALIGN.store(layout.align(), Ordering::SeqCst);
+                PHASE.store(if p.is_null() { IDLE } else { CAUGHT }, Ordering::SeqCst);
+                return p;
+            }
+            let same = layout.size() == BLOCK_SIZE.load(Ordering::SeqCst)
+                && layout.align() == BLOCK_ALIGN.load(Ordering::SeqCst);
+            if same
+                && PHASE
+                    .compare_exchange(HAND_BACK, HANDED, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            {
+                return BLOCK.load(Ordering::SeqCst) as *mut u8;
+            }
+            PHASE.store(MISSED, Ordering::SeqCst);
+        }
+        // SAFETY: the caller's layout, passed on.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if ptr as usize == BLOCK.load(Ordering::SeqCst)
+            && PHASE
+                .compare_exchange(CAUGHT, KEPT, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
+            return;
+        }
+        // SAFETY: `ptr` came from `System` with `layout` (the caller's guarantee, and see above).
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+/// Disarms [`Trap`] when a test ends, however it ends.
+struct Disarm;
+
+impl Drop for Disarm {
+    fn drop(&mut self) {
+        Trap::disarm();
     }
 }
 
@@ -228,6 +365,82 @@ fn registration_is_compared_across_a_transfer(s: &Stubs) -> Result<(), Failed> {
     Ok(())
 }
 
+/// A forgotten registration (`mem::forget`, safe) leaves its communicator's key on the buffer.
+/// Once that communicator is gone, a new one whose state lands at the same address must not
+/// count the buffer as registered with it: NCCL never registered it there. [`Trap`] makes the
+/// new state land there. A key that is the state's address then lets an unregistered send into
+/// a registered receive pass verification (NCCL's registered path on one side only) and refuses
+/// the plain transfer.
+fn a_forgotten_registration_is_not_inherited(s: &Stubs) -> Result<(), Failed> {
+    s.set_devices(2);
+    let (d0, d1) = (Device::new(0)?, Device::new(1)?);
+    let (s0, s1) = (Stream::new(&d0)?, Stream::new(&d1)?);
+    let mut x = DeviceBuffer::<f32>::zeros_nccl(1024, &s0)?;
+    let mut y = DeviceBuffer::<f32>::zeros_nccl(1024, &s1)?;
+    let _disarm = Disarm;
+    Trap::arm(CATCH);
+    {
+        let old = Communicator::init_all(std::slice::from_ref(&d0))?;
+        if Trap::phase() != CAUGHT {
+            return Err(format!(
+                "the old communicator's state was not caught (phase {})",
+                Trap::phase()
+            )
+            .into());
+        }
+        std::mem::forget(old[0].register(&mut x)?);
+        std::thread::sleep(Duration::from_millis(50));
+        if Trap::phase() != CAUGHT {
+            return Err("the caught block was freed while its communicator lived: not its state".into());
+        }
+    }
+    // Freed once the watchdog lets go of its `Weak` (within two of its periods).
+    eventually("the old communicator's state freed", || Trap::phase() == KEPT)?;
+    Trap::arm(HAND_BACK);
+    let made = Communicator::init_all(&[d0.clone(), d1.clone()]);
+    let handed = Trap::phase();
+    Trap::disarm();
+    let new = made?;
+    if handed != HANDED {
+        return Err(format!(
+            "the new communicator's state did not take the old one's block (phase {handed})"
+        )
+        .into());
+    }
+    let sends = s.count("ncclSend");
+    {
+        let mut ry = new[1].register(&mut y)?;
+        let r = group(|g| {
+            g.send(&new[0], &x, 1, &s0)?;
+            g.recv(&new[1], ry.view_mut(), 0, &s1)
+        });
+        match r {
+            Err(Error::InvalidArgument(m))
+                if m.contains("rank 0's sends to rank 1 [1024 elements of f32] and")
+                    && m.contains("registered with the communicator") =>
+            {
+                println!("refused: {m}")
+            }
+            other => {
+                return Err(format!(
+                    "a send NCCL sees unregistered into a registered receive, over a new \
+                     communicator at the old one's address, gave {other:?}"
+                )
+                .into());
+            }
+        }
+    }
+    if s.count("ncclSend") != sends {
+        return Err("the refused transfer reached NCCL".into());
+    }
+    group(|g| {
+        g.send(&new[0], &x, 1, &s0)?;
+        g.recv(&new[1], &mut y, 0, &s1)
+    })
+    .map_err(|e| format!("an unregistered send into an unregistered receive was refused: {e}"))?;
+    Ok(())
+}
+
 /// Windows: only ncclMemAlloc memory, never twice, no exchange on one rank, deregistered with the
 /// window call; refused before NCCL is called.
 fn window_rules(s: &Stubs) -> Result<(), Failed> {
@@ -354,6 +567,9 @@ fn main() {
             nccl: libloading::Library::new(&nccl).expect("stub NCCL"),
         }
     }));
+    // SAFETY: `long nccl_stub_count(const char *, int)`; the library is leaked (never unloaded).
+    let count = unsafe { stubs.nccl.get::<CountFn>(b"nccl_stub_count\0") }.expect("count");
+    COUNT_FN.store(*count as usize, Ordering::Release);
     let trial = |name: &str, f: fn(&Stubs) -> Result<(), Failed>| Trial::test(name, move || f(stubs));
     let (c, p) = (cudart.clone(), plain.clone());
     let trials = vec![
@@ -369,6 +585,10 @@ fn main() {
         trial(
             "registration_is_compared_across_a_transfer",
             registration_is_compared_across_a_transfer,
+        ),
+        trial(
+            "a_forgotten_registration_is_not_inherited_by_a_communicator_at_its_address",
+            a_forgotten_registration_is_not_inherited,
         ),
         trial(
             "a_window_on_a_two_rank_init_all_communicator_is_refused",

@@ -23,7 +23,8 @@ pub(crate) struct CaptureState {
     /// What every stream of the capture shares; taken after stream orders, trackers and an
     /// event's mark, and with nothing inside it but the device's event pool.
     pub(crate) shared: Arc<Mutex<Captured>>,
-    /// The communicator given to the capture (its key), the only one whose operations it takes.
+    /// The communicator given to the capture (its key, an id never reused), the only one whose
+    /// operations it takes.
     pub(crate) comm: Option<usize>,
     /// The thread running the capture's closure, the only one whose work it takes: another
     /// thread's work on the stream is refused, not silently moved into the graph (that thread

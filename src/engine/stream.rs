@@ -37,7 +37,8 @@ pub struct Stream {
 }
 
 /// The handles of other owners' streams that a live `Stream` wraps (see
-/// [`Stream::from_owned_handle`]): few, so a list.
+/// [`Stream::from_owned_handle`]): few, so a list. Handles as keys are safe: each is removed
+/// when its `Stream` drops, and its owner, which the `Stream` holds, keeps it from being reused.
 pub(crate) fn wrapped_handles() -> MutexGuard<'static, Vec<usize>> {
     static WRAPPED: Mutex<Vec<usize>> = Mutex::new(Vec::new());
     WRAPPED.lock().unwrap_or_else(|p| p.into_inner())

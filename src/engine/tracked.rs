@@ -22,7 +22,9 @@ pub(crate) struct TrackedInner {
     pub(crate) nccl_memory: bool,
     /// The communicators (their keys) this memory is registered with (`ncclCommRegister`),
     /// which NCCL's send/receive path uses on one side only if the peer's memory is too (see
-    /// `verify::wire::REGISTERED`); how many, so that unregistered memory asks no lock.
+    /// `verify::wire::REGISTERED`); how many, so that unregistered memory asks no lock. A
+    /// forgotten registration's key stays here after its communicator is gone, harmless since
+    /// keys are never reused.
     registered_with: Mutex<Vec<usize>>,
     registrations: std::sync::atomic::AtomicUsize,
     uses: Mutex<UseTracker<Arc<PooledEvent>>>,
@@ -62,7 +64,8 @@ impl Tracked {
     }
 
     /// One key per piece of memory, whichever clone of the tracker it is reached through: the
-    /// engine's lock order and identity.
+    /// engine's lock order and identity. An address is safe here: it is only compared among
+    /// trackers held (cloned) by whoever compares them, which pins the allocation.
     pub(crate) fn key(&self) -> usize {
         Arc::as_ptr(&self.0) as usize
     }

@@ -4,7 +4,7 @@
 use std::cell::Cell;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cuda::buffer::DeviceBuffer;
@@ -91,13 +91,8 @@ impl Communicator {
         rank: usize,
         options: CommOptions,
     ) -> Communicator {
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State::new(raw, rank, options.timeout())),
-            rank,
-            ordinal: device.ordinal() as i32,
-            windows: std::sync::atomic::AtomicU64::new(0),
-            unwatchable: std::sync::OnceLock::new(),
-        });
+        let state = State::new(raw, rank, options.timeout());
+        let shared = Arc::new(Shared::new(state, rank, device.ordinal() as i32));
         Communicator {
             shared,
             device: device.clone(),
@@ -570,9 +565,10 @@ impl Communicator {
         Ok(())
     }
 
-    /// Identifies the communicator for graph capture (see [`crate::Graph::capture_with`]).
+    /// Identifies the communicator to registrations, the engine, graph capture and local
+    /// verification: its state's id (`state::fresh_id`), never reused.
     pub(crate) fn key(&self) -> usize {
-        Arc::as_ptr(&self.shared) as usize
+        self.shared.id
     }
 
     /// Aborts the communicator whose [`Communicator::key`] is `key`, if it is still alive, for

@@ -15,7 +15,9 @@
 //!   `mem::swap` through one would move another buffer under the registration;
 //! - a buffer cannot be registered twice at once (the borrow is exclusive). One forgotten with
 //!   `mem::forget` leaves a mark on the buffer ([`crate::cuda::buffer::Registrations`]): the buffer then
-//!   refuses a second window, and when dropped leaks its memory rather than free it under NCCL;
+//!   refuses a second window, and when dropped leaks its memory rather than free it under NCCL.
+//!   Verification still counts it registered with that communicator, named by a key never reused
+//!   (`Communicator::key`), so no later communicator inherits the registration;
 //! - dropping it first waits, on the host, for every pending use of the buffer (tracking: on
 //!   any stream, by any operation), then deregisters with the call that matches
 //!   (`ncclCommDeregister`, `ncclCommWindowDeregister`). Waiting in `Drop` is bounded: every

@@ -3,6 +3,7 @@
 //! on the communicator holds.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -18,12 +19,15 @@ pub(crate) type PeersOrigin = (Vec<usize>, Arc<dyn Origin>);
 /// What the communicator shares with the watchdog, behind one lock that every NCCL call on the
 /// communicator holds, so that the watchdog's abort never runs concurrently with one.
 pub(crate) struct Shared {
+    /// The communicator's key (`Communicator::key`), from [`fresh_id`]: never reused, unlike
+    /// this state's address, which a later communicator's state may take once this one is freed.
+    pub(crate) id: usize,
     pub(crate) state: Mutex<State>,
     pub(crate) rank: usize,
     pub(crate) ordinal: i32,
     /// Window registrations attempted on this rank, each exchanged with every rank
     /// ([`crate::nccl::register`]): the next one's number.
-    pub(crate) windows: std::sync::atomic::AtomicU64,
+    pub(crate) windows: AtomicU64,
     /// Set when the watchdog's look at this communicator panicked: it can no longer be watched,
     /// and the watchdog aborts it (with this reason) at its next chance.
     pub(crate) unwatchable: std::sync::OnceLock<String>,
@@ -173,7 +177,30 @@ impl State {
     }
 }
 
+/// An id no communicator of this process has had: a forgotten [`crate::Registration`] keeps its
+/// communicator's id on the buffer past the communicator's end, and a reused one would make the
+/// buffer count as registered with a communicator that never registered it.
+pub(crate) fn fresh_id() -> usize {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    // Only where `usize` is narrower than 64 bits, and after 2^32 communicators: stop rather
+    // than repeat one.
+    usize::try_from(id).expect("communicator ids are exhausted")
+}
+
 impl Shared {
+    /// The state of a new communicator of rank `rank` on device `ordinal`, with a fresh id.
+    pub(crate) fn new(state: State, rank: usize, ordinal: i32) -> Shared {
+        Shared {
+            id: fresh_id(),
+            state: Mutex::new(state),
+            rank,
+            ordinal,
+            windows: AtomicU64::new(0),
+            unwatchable: std::sync::OnceLock::new(),
+        }
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

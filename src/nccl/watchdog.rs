@@ -90,7 +90,11 @@ pub(crate) const PATIENCE: u32 = 10;
 static LOG: once_cell::sync::Lazy<bool> =
     once_cell::sync::Lazy::new(|| std::env::var_os("HANDOFF_WATCHDOG_LOG").is_some_and(|v| v == "1"));
 
-static WATCHED: OnceCell<std::result::Result<Mutex<Vec<Weak<Shared>>>, String>> = OnceCell::new();
+/// A watched communicator: its key (`Communicator::key`), which a `Weak` cannot give once its
+/// communicator is gone, and its state.
+type Watched = (usize, Weak<Shared>);
+
+static WATCHED: OnceCell<std::result::Result<Mutex<Vec<Watched>>, String>> = OnceCell::new();
 
 /// Why the watchdog thread ended, once it has: it never ends otherwise.
 static DEAD: OnceLock<String> = OnceLock::new();
@@ -122,7 +126,7 @@ pub(crate) fn watch(shared: &Arc<Shared>) -> Result<()> {
         Ok(list) => {
             list.lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push(Arc::downgrade(shared));
+                .push((shared.id, Arc::downgrade(shared)));
             Ok(())
         }
         Err(detail) => Err(Error::Setup {
@@ -131,15 +135,15 @@ pub(crate) fn watch(shared: &Arc<Shared>) -> Result<()> {
     }
 }
 
-/// The watched communicator whose state is at `key` (`Communicator::key`), if it is alive.
+/// The watched communicator whose key (`Communicator::key`) is `key`, if it is alive.
 pub(crate) fn watched(key: usize) -> Option<Arc<Shared>> {
     let Some(Ok(list)) = WATCHED.get() else {
         return None;
     };
     let list = list.lock().unwrap_or_else(|p| p.into_inner());
     list.iter()
-        .find(|w| w.as_ptr() as usize == key)
-        .and_then(Weak::upgrade)
+        .find(|(id, _)| *id == key)
+        .and_then(|(_, w)| w.upgrade())
 }
 
 /// Runs `body` (the watchdog's loop, which never returns) and records in `dead` why it ended.
@@ -167,8 +171,8 @@ fn run() {
         let live: Vec<Arc<Shared>> = match WATCHED.get() {
             Some(Ok(list)) => {
                 let mut list = list.lock().unwrap_or_else(|p| p.into_inner());
-                list.retain(|w| w.strong_count() > 0);
-                list.iter().filter_map(Weak::upgrade).collect()
+                list.retain(|(_, w)| w.strong_count() > 0);
+                list.iter().filter_map(|(_, w)| w.upgrade()).collect()
             }
             _ => continue,
         };
@@ -499,13 +503,7 @@ mod tests {
         } else {
             std::ptr::null_mut()
         };
-        Shared {
-            state: Mutex::new(State::new(raw, 0, Duration::from_secs(3600))),
-            rank: 0,
-            ordinal: 0,
-            windows: std::sync::atomic::AtomicU64::new(0),
-            unwatchable: OnceLock::new(),
-        }
+        Shared::new(State::new(raw, 0, Duration::from_secs(3600)), 0, 0)
     }
 
     /// A live communicator's state whose abort hands its (made-up) handle to an aborter that
