@@ -153,10 +153,15 @@
 //!   other steps than its peer's;
 //!   the model, with the NCCL source it follows, is written down
 //!   in `src/nccl/verify/model.rs`, and a CPU test checks verification, and the local match
-//!   below, against a model of NCCL's queues over every two-rank program of up to two calls
-//!   per rank. Ranks settle at creation that all verify or none does, so a verifying rank never
-//!   talks to one that does not. Collectives are checked the same way: every rank posts the
-//!   same operations, counts, types, reductions and roots in the same order. Opting out is
+//!   below, against a model of NCCL's queues and of its collective sorter over every two-rank
+//!   program of up to two calls, and of up to three collectives, per rank, groups included,
+//!   and random three-rank ones. Ranks settle at creation that all verify or none does, so a
+//!   verifying rank never talks to one that does not. Collectives are checked the same way, by
+//!   group: NCCL 2.28 runs a group's collectives in an order of its own (by size, then per
+//!   function, reduction and type: `src/nccl/verify/order.rs`), so every rank must post the
+//!   same collectives (operations, counts, types, reductions, roots) in the same groups, and
+//!   each group's are compared in the order NCCL runs them: the same group in another call
+//!   order passes where NCCL runs it alike. Opting out is
 //!   [`CommOptions::unverified`], `unsafe`: the caller promises matching operations. Sends to
 //!   oneself, and between ranks of one [`Communicator::init_all`], are matched within their
 //!   group (collectives' parts included), verified or not, and go through no mailbox. Tests:
@@ -294,11 +299,17 @@
 //!   that passed on partial data (valid values, wrong ones) without its output being flagged,
 //!   and a later write of any part of the buffer (a kernel on a slice of it, or on the other
 //!   half of a split) becomes the write a host read checks: the report is then lost.
-//! - Verification compares what NCCL pairs (each pair's per-peer sends and receives, in order,
-//!   and each communicator's collectives), not how they are split into groups: a rank that
-//!   groups a send and a receive with one peer while the peer posts them in separate groups,
-//!   receive first, passes verification, and NCCL can then wait for itself until the watchdog
-//!   aborts the communicators (bounded, reported as a timeout rather than `Error::Mismatch`).
+//! - Verification compares what NCCL pairs: each pair's per-peer sends and receives in order,
+//!   whatever their groups, and each communicator's collectives group by group. For sends and
+//!   receives it does not compare how they are split into groups: a rank that groups a send
+//!   and a receive with one peer while the peer posts them in separate groups, receive first,
+//!   passes verification, and NCCL can then wait for itself until the watchdog aborts the
+//!   communicators (bounded, reported as a timeout rather than `Error::Mismatch`). The order
+//!   of a group's collectives is NCCL 2.28's (2.28.3 to 2.28.9 agree); with another NCCL a
+//!   group's collectives are compared in call order instead (a group in another call order is
+//!   refused there) until `order.rs` is read against it. Stricter than NCCL, it
+//!   refuses a gather, scatter or all_to_all in another group or call order on one rank, and an
+//!   all_gather or broadcast of another element type of the same size in bytes.
 
 #![warn(missing_docs)]
 

@@ -12,7 +12,9 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
 use crate::nccl::verify::mailbox::{MAX_CHECKED, RING, Region, STATUS_AT};
-use crate::nccl::verify::wire::{CARD_WORDS, Card, CollDesc, Dir, OpDesc, P2P, PATH_BYTES, check_cards};
+use crate::nccl::verify::wire::{
+    CARD_WORDS, Card, CollDesc, CollEntry, Dir, OpDesc, P2P, PATH_BYTES, check_cards,
+};
 use crate::nccl::verify::{CollOps, Failure, Mailboxes, PairOps, verify};
 
 /// Runs `test` over `cases` values of `strategy`, panicking with proptest's minimal failing
@@ -124,7 +126,7 @@ fn expected(r: &Region, model: &[u64], q: &Query) -> Result<String, TestCaseErro
         Query::ReadColl { index } => {
             let w = at(r.coll_at(index), 4)?;
             let hit = index.checked_add(1) == Some(w[0]);
-            format!("{:?}", hit.then(|| CollDesc::decode([w[1], w[2], w[3]])))
+            format!("{:?}", hit.then(|| CollEntry::decode([w[1], w[2], w[3]])))
         }
         Query::Checked { peer, send } => {
             format!("{}", at(r.checked_at(peer, dir(send)), 1)?[0].min(MAX_CHECKED))
@@ -469,8 +471,16 @@ fn verification_against_a_hostile_peer_ends_within_its_timeout() {
                 for (i, &c) in recvs.iter().take(RING as usize).enumerate() {
                     peer.publish(0, Dir::Send, i as u64, op(c));
                 }
+                // One group of them, as this rank posts it.
                 for i in 0..colls {
-                    peer.publish_coll(i as u64, coll);
+                    let group_end = i + 1 == colls;
+                    peer.publish_coll(
+                        i as u64,
+                        CollEntry {
+                            desc: coll,
+                            group_end,
+                        },
+                    );
                 }
                 for d in [Dir::Send, Dir::Recv] {
                     peer.poke(peer.checked_at(0, d), u64::MAX);

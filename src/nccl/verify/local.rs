@@ -11,6 +11,7 @@
 
 use smallvec::SmallVec;
 
+use crate::nccl::verify::order::nccl_order;
 use crate::nccl::verify::wire::{CollDesc, Dir, OpDesc};
 
 /// A rank of a group, as the local match sees it.
@@ -91,39 +92,43 @@ pub(crate) fn match_pairs<K: LocalRank>(members: &[K], queued: &[Queued<K>]) -> 
 }
 
 /// Checks that every rank of one `init_all` among `members` that posts collectives in this
-/// group (`colls`, in call order) posts the same ones as every other rank of it: one thread
-/// drives them all, so a collective missing from one rank's part of the group would never come.
+/// group (`colls`, in call order) posts the same ones as every other rank of it, to run in the
+/// same order in NCCL: one thread drives them all, so a collective missing from one rank's
+/// part of the group would never come.
 pub(crate) fn match_collectives<K: LocalRank>(members: &[K], colls: &[(K, CollDesc)]) -> Result<(), String> {
     for &c in members {
         // One rank alone agrees with itself.
         if !c.drives_all() || c.world() == 1 {
             continue;
         }
+        // A rank's collectives in the order NCCL runs them: the same group in another call
+        // order may run alike (see `order::nccl_order`).
         let seq = |of: Option<K>| {
-            colls
+            let mut s: SmallVec<[CollDesc; 4]> = colls
                 .iter()
-                .filter(move |(r, _)| of.is_some_and(|of| r.key() == of.key()))
+                .filter(|(r, _)| of.is_some_and(|of| r.key() == of.key()))
                 .map(|&(_, d)| d)
+                .collect();
+            nccl_order(&mut s, c.world());
+            s
         };
-        if seq(Some(c)).next().is_none() {
+        let mine = seq(Some(c));
+        if mine.is_empty() {
             continue;
         }
         for r in 0..c.world() {
             let other = members.iter().copied().find(|&d| c.is_rank(d, r));
-            if !seq(other).eq(seq(Some(c))) {
-                let list = |of| {
-                    seq(of)
-                        .map(|d: CollDesc| d.describe())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                };
+            let theirs = seq(other);
+            if theirs != mine {
+                let list = |s: &[CollDesc]| s.iter().map(|d| d.describe()).collect::<Vec<_>>().join(", ");
                 return Err(format!(
-                    "rank {}'s collectives [{}] and rank {r}'s [{}] in this group differ: ranks \
-                     made together by Communicator::init_all are driven by one thread, so every \
-                     one of them posts the same collectives in one group",
+                    "rank {}'s collectives [{}] and rank {r}'s [{}] in this group, in the order \
+                     NCCL runs them, differ: ranks made together by Communicator::init_all are \
+                     driven by one thread, so every one of them posts the same collectives in one \
+                     group",
                     c.rank(),
-                    list(Some(c)),
-                    list(other)
+                    list(&mine),
+                    list(&theirs)
                 ));
             }
         }

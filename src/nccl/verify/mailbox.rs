@@ -28,7 +28,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::nccl::verify::wire::{CollDesc, Dir, OpDesc};
+use crate::nccl::verify::wire::{CollEntry, Dir, OpDesc};
 
 /// Entries per ring: how far a rank may publish ahead of its peer's checks.
 pub(crate) const RING: u64 = 64;
@@ -45,7 +45,7 @@ const H_BACKLOG: usize = 6;
 const RING_WORDS: usize = RING as usize * ENTRY_WORDS;
 /// Two rings and three counters, rounded up to whole 64-byte lines.
 const PEER_WORDS: usize = (2 * RING_WORDS + 3).div_ceil(8) * 8;
-/// A collective's entry: tag, then [`CollDesc::encode`]'s three words.
+/// A collective's entry: tag, then [`CollEntry::encode`]'s three words.
 const COLL_WORDS: usize = 4;
 
 /// The most a checked counter reads as: no rank checks that many entries, and a peer that
@@ -69,7 +69,7 @@ pub(crate) enum Note {
     Publish { dir: Dir, index: u64, words: [u64; 2] },
     /// The owner checked `n` of the peer's operations in `dir`.
     Checked { dir: Dir, n: u64 },
-    /// Collective `index`: [`crate::nccl::verify::wire::CollDesc::encode`]'s words.
+    /// Collective `index`: [`crate::nccl::verify::wire::CollEntry::encode`]'s words.
     Coll { index: u64, words: [u64; 3] },
     /// The owner checked `n` of the peer's collectives.
     CollChecked { n: u64 },
@@ -574,8 +574,8 @@ impl Region {
 
     /// Publishes this rank's collective number `index`. The caller has made sure every peer
     /// checked entry `index - RING` ([`Region::coll_checked`]).
-    pub(crate) fn publish_coll(&self, index: u64, op: CollDesc) {
-        self.publish_coll_words(index, op.encode());
+    pub(crate) fn publish_coll(&self, index: u64, entry: CollEntry) {
+        self.publish_coll_words(index, entry.encode());
     }
 
     /// [`Region::publish_coll`] of encoded words, as a peer's channel delivers them.
@@ -592,13 +592,13 @@ impl Region {
 
     /// The owner's collective number `index`, once published: `Some(None)` for words no
     /// handoff wrote.
-    pub(crate) fn read_coll(&self, index: u64) -> Option<Option<CollDesc>> {
+    pub(crate) fn read_coll(&self, index: u64) -> Option<Option<CollEntry>> {
         let at = self.coll_slot(index);
         if Some(self.word(at).load(Ordering::Acquire)) != index.checked_add(1) {
             return None;
         }
         let w = [1, 2, 3].map(|i| self.word(at + i).load(Ordering::Relaxed));
-        Some(CollDesc::decode(w))
+        Some(CollEntry::decode(w))
     }
 
     /// How many of `peer`'s collectives the owner has checked, at most [`MAX_CHECKED`].
@@ -781,7 +781,7 @@ mod tests {
 
     #[test]
     fn collective_entries_round_trip_and_wrap() {
-        use crate::nccl::verify::wire::{CollKind, NONE};
+        use crate::nccl::verify::wire::{CollDesc, CollKind, NONE};
         let r = Region::in_process(3, 0);
         let d = CollDesc {
             kind: CollKind::AllGather,
@@ -792,12 +792,13 @@ mod tests {
             captured: false,
             nccl_memory: 0,
         };
+        let e = |desc, group_end| CollEntry { desc, group_end };
         assert_eq!(r.read_coll(0), None);
-        r.publish_coll(0, d);
-        assert_eq!(r.read_coll(0), Some(Some(d)));
-        r.publish_coll(RING, CollDesc { count: 8, ..d });
+        r.publish_coll(0, e(d, false));
+        assert_eq!(r.read_coll(0), Some(Some(e(d, false))));
+        r.publish_coll(RING, e(CollDesc { count: 8, ..d }, true));
         assert_eq!(r.read_coll(0), None);
-        assert_eq!(r.read_coll(RING), Some(Some(CollDesc { count: 8, ..d })));
+        assert_eq!(r.read_coll(RING), Some(Some(e(CollDesc { count: 8, ..d }, true))));
         // The collective ring does not overlap the peers' blocks.
         assert_eq!(r.read(2, Dir::Recv, 0), None);
         r.set_coll_checked(2, 5);

@@ -29,6 +29,7 @@ mod hostile;
 pub(crate) mod local;
 pub(crate) mod mailbox;
 pub(crate) mod model;
+pub(crate) mod order;
 pub mod rehearsal;
 pub(crate) mod setup;
 pub(crate) mod wire;
@@ -40,7 +41,7 @@ use std::time::{Duration, Instant};
 use smallvec::SmallVec;
 
 use mailbox::{BROKEN, RING, Region};
-use wire::{CollDesc, Dir, OpDesc, compare, compare_coll};
+use wire::{CollDesc, CollEntry, Dir, OpDesc, compare, compare_coll};
 
 /// One rank's view of the mailboxes of its communicator.
 pub(crate) struct Mailboxes {
@@ -88,18 +89,42 @@ pub(crate) struct PairOps<'a> {
 }
 
 /// The collectives of one group on one rank, in the order issued: every rank of the
-/// communicator must post the same ones in the same order.
+/// communicator must post the same ones in the same groups, and each group must run in the
+/// same order in NCCL ([`order::nccl_order`]); verification publishes and compares them in
+/// that order, the group's last one marked ([`wire::CollEntry`]).
 pub(crate) struct CollOps<'a> {
     pub(crate) boxes: &'a Mailboxes,
     pub(crate) ops: SmallVec<[CollDesc; 2]>,
     pub(crate) timeout: Duration,
 }
 
-#[derive(Default, Clone)]
+#[derive(Default, Clone, PartialEq)]
 struct CollDone {
+    /// The group's collectives in NCCL's order.
+    ops: SmallVec<[CollDesc; 2]>,
     published: usize,
     /// Per peer.
     checked: SmallVec<[usize; 8]>,
+}
+
+impl CollDone {
+    fn new(c: &CollOps<'_>) -> CollDone {
+        let mut ops = c.ops.clone();
+        order::nccl_order(&mut ops, c.boxes.regions.len());
+        CollDone {
+            ops,
+            published: 0,
+            checked: SmallVec::from_elem(0, c.boxes.regions.len()),
+        }
+    }
+
+    /// Entry `i` of the group, as published.
+    fn entry(&self, i: usize) -> CollEntry {
+        CollEntry {
+            desc: self.ops[i],
+            group_end: i + 1 == self.ops.len(),
+        }
+    }
 }
 
 /// Publishes and checks what it can of one rank's collectives. Ok(true) if anything moved.
@@ -120,7 +145,7 @@ fn step_coll(c: &CollOps<'_>, d: &mut CollDone) -> Result<bool, Failure> {
         if *published >= RING.saturating_add(oldest) {
             break;
         }
-        mine.publish_coll(*published, c.ops[d.published]);
+        mine.publish_coll(*published, d.entry(d.published));
         *published += 1;
         d.published += 1;
         moved = true;
@@ -131,7 +156,7 @@ fn step_coll(c: &CollOps<'_>, d: &mut CollDone) -> Result<bool, Failure> {
             let Some(theirs) = regions[p].read_coll(index) else {
                 break;
             };
-            compare_coll(me, p, index, c.ops[d.checked[p]], theirs).map_err(Failure::Mismatch)?;
+            compare_coll(me, p, index, d.entry(d.checked[p]), theirs).map_err(Failure::Mismatch)?;
             checked[p] += 1;
             d.checked[p] += 1;
             mine.set_coll_checked(p, checked[p]);
@@ -268,7 +293,7 @@ const REMOTE_SPINS: u32 = 200;
 /// once it has spun: a frame wakes it at once; this bounds how late it sees a timeout.
 const REMOTE_WAIT: Duration = Duration::from_millis(5);
 
-#[derive(Default, Clone, Copy)]
+#[derive(Default, Clone, Copy, PartialEq)]
 struct Done {
     published: [usize; 2],
     checked: [usize; 2],
@@ -278,16 +303,41 @@ struct Done {
 /// each pair's timeout) for peers in other threads or processes. On success every operation
 /// may be posted to NCCL.
 pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(), Failure> {
-    // Read the clock only once something has to wait: the peer has usually posted already.
-    let mut started: Option<Instant> = None;
-    let mut done: SmallVec<[Done; 2]> = SmallVec::from_elem(Done::default(), pairs.len());
-    let mut coll_done: SmallVec<[CollDone; 1]> = colls
-        .iter()
-        .map(|c| CollDone {
-            published: 0,
-            checked: SmallVec::from_elem(0, c.boxes.regions.len()),
-        })
-        .collect();
+    resume(pairs, colls, &mut Progress::new(pairs, colls))
+}
+
+/// How far one verification got: what [`resume`] picks up.
+#[derive(Clone, PartialEq)]
+pub(crate) struct Progress {
+    done: SmallVec<[Done; 2]>,
+    coll_done: SmallVec<[CollDone; 1]>,
+    /// When it first had to wait (the clock is read only then: the peer has usually posted
+    /// already).
+    started: Option<Instant>,
+}
+
+impl Progress {
+    pub(crate) fn new(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Progress {
+        Progress {
+            done: SmallVec::from_elem(Done::default(), pairs.len()),
+            coll_done: colls.iter().map(CollDone::new).collect(),
+            started: None,
+        }
+    }
+}
+
+/// [`verify`] from `progress` on, which it updates: the model's tests run ranks' groups on one
+/// thread, each until it has to wait (a timeout of zero), then the next.
+pub(crate) fn resume(
+    pairs: &[PairOps<'_>],
+    colls: &[CollOps<'_>],
+    progress: &mut Progress,
+) -> Result<(), Failure> {
+    let Progress {
+        done,
+        coll_done,
+        started,
+    } = progress;
     let mut links = Links::of(pairs, colls);
     let mut pumped = false;
     let mut spins = 0u32;
@@ -333,7 +383,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
         }
         // Stalled: waiting for a peer, or for a counterpart that will never come.
         let started = *started.get_or_insert_with(Instant::now);
-        for (p, d) in pairs.iter().zip(&done) {
+        for (p, d) in pairs.iter().zip(done.iter()) {
             if pair_finished(p, d) {
                 continue;
             }
@@ -352,7 +402,7 @@ pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(),
                 });
             }
         }
-        for (c, d) in colls.iter().zip(&coll_done) {
+        for (c, d) in colls.iter().zip(coll_done.iter()) {
             if coll_finished(c, d) {
                 continue;
             }
@@ -545,6 +595,58 @@ mod tests {
         }
     }
 
+    /// Rank 0's groups and rank 1's, each rank on its thread: each group's verification.
+    fn grouped(r0: Vec<Vec<CollDesc>>, r1: Vec<Vec<CollDesc>>) -> [Vec<Result<(), Failure>>; 2] {
+        let [a, b] = two();
+        let run = |boxes: Mailboxes, groups: Vec<Vec<CollDesc>>| {
+            std::thread::spawn(move || {
+                let mut out = Vec::new();
+                for g in groups {
+                    let r = verify(&[], &[coll(&boxes, &g)]);
+                    let failed = r.is_err();
+                    out.push(r);
+                    if failed {
+                        // As a communicator does: its peers stop waiting for it.
+                        boxes.mine().set_broken();
+                        break;
+                    }
+                }
+                out
+            })
+        };
+        let (ta, tb) = (run(a, r0), run(b, r1));
+        [ta.join().unwrap(), tb.join().unwrap()]
+    }
+
+    #[test]
+    fn differently_grouped_collectives_are_a_mismatch_on_both_ranks() {
+        // The review of 2026-12-03, finding 1 (its CPU reproduction): rank 0 groups all_reduce
+        // of 1 Mi with all_reduce of 16, which NCCL 2.28 runs small first; rank 1 posts them
+        // one group each, big first. Verification passed, and NCCL paired 16 with 1 Mi.
+        let (big, small) = (CollDesc::f32_sum(1 << 20), CollDesc::f32_sum(16));
+        let [r0, r1] = grouped(vec![vec![big, small]], vec![vec![big], vec![small]]);
+        eprintln!("rank 0 (one group): {r0:?}; rank 1 (two groups): {r1:?}");
+        for (rank, r) in [(0, &r0[0]), (1, &r1[0])] {
+            assert!(matches!(r, Err(Failure::Mismatch(_))), "rank {rank}: {r:?}");
+        }
+    }
+
+    #[test]
+    fn one_group_in_two_call_orders_passes() {
+        // Finding 4: NCCL runs both groups alike (16 first), so both ranks pass; an all_reduce
+        // of 4097 and one of 4096 fall in one bin of NCCL's sorter, which keeps their call
+        // order, so those two in opposite orders are a mismatch.
+        let (big, small) = (CollDesc::f32_sum(1 << 20), CollDesc::f32_sum(16));
+        let [r0, r1] = grouped(vec![vec![big, small]], vec![vec![small, big]]);
+        assert!(r0[0].is_ok() && r1[0].is_ok(), "{r0:?} {r1:?}");
+        let (a, b) = (CollDesc::f32_sum(4096), CollDesc::f32_sum(4097));
+        let [r0, r1] = grouped(vec![vec![a, b]], vec![vec![b, a]]);
+        assert!(
+            matches!(&r0[0], Err(Failure::Mismatch(_))) && matches!(&r1[0], Err(Failure::Mismatch(_))),
+            "{r0:?} {r1:?}"
+        );
+    }
+
     #[test]
     fn many_more_collectives_than_ring_slots() {
         use wire::{CollKind, NONE};
@@ -559,16 +661,18 @@ mod tests {
                 nccl_memory: 0,
             })
             .collect();
-        let [a, b] = two();
-        let (oa, ob) = (ops.clone(), ops);
-        let ta = std::thread::spawn(move || verify(&[], &[coll(&a, &oa)]));
-        // The other rank posts them one group at a time.
-        let tb = std::thread::spawn(move || {
-            ob.iter()
-                .try_for_each(|o| verify(&[], &[coll(&b, std::slice::from_ref(o))]))
+        // One group of them on both ranks, then one group each.
+        let ranks = two().map(|boxes| {
+            let ops = ops.clone();
+            std::thread::spawn(move || {
+                verify(&[], &[coll(&boxes, &ops)])?;
+                ops.iter()
+                    .try_for_each(|o| verify(&[], &[coll(&boxes, std::slice::from_ref(o))]))
+            })
         });
-        ta.join().unwrap().unwrap();
-        tb.join().unwrap().unwrap();
+        for r in ranks {
+            r.join().unwrap().unwrap();
+        }
     }
 
     #[test]

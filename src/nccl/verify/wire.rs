@@ -289,31 +289,77 @@ pub(crate) fn redop_name(code: u32) -> &'static str {
     }
 }
 
-/// Compares this rank's collective number `index` with a peer's.
+/// The bit of a collective entry's third word that marks the last collective of its group.
+const GROUP_END: u64 = 1 << 63;
+
+/// A collective as a rank publishes it: what it is, and whether it ends its group's
+/// collectives. A rank publishes each group's collectives in NCCL's order
+/// ([`crate::nccl::verify::order::nccl_order`]), the last one marked, so equal entries mean
+/// equal groups run in equal orders (see [`crate::nccl::verify::model`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CollEntry {
+    pub(crate) desc: CollDesc,
+    pub(crate) group_end: bool,
+}
+
+impl CollEntry {
+    /// The three words of a ring entry after its tag, in the shared mailbox and on the channel
+    /// alike: [`CollDesc::encode`]'s, with [`GROUP_END`] in the third (bits it leaves zero).
+    pub(crate) fn encode(self) -> [u64; 3] {
+        let mut w = self.desc.encode();
+        if self.group_end {
+            w[2] |= GROUP_END;
+        }
+        w
+    }
+
+    /// `None` for words no handoff wrote.
+    pub(crate) fn decode(w: [u64; 3]) -> Option<CollEntry> {
+        Some(CollEntry {
+            desc: CollDesc::decode(w)?,
+            group_end: w[2] & GROUP_END != 0,
+        })
+    }
+}
+
+/// Compares this rank's collective number `index` (in the order its groups run in NCCL) with
+/// a peer's.
 pub(crate) fn compare_coll(
     me: usize,
     peer: usize,
     index: u64,
-    mine: CollDesc,
-    theirs: Option<CollDesc>,
+    mine: CollEntry,
+    theirs: Option<CollEntry>,
 ) -> Result<(), String> {
     if Some(mine) == theirs {
         return Ok(());
     }
     let n = index + 1;
+    let grouping = match theirs {
+        Some(t) if t.group_end != mine.group_end => {
+            let (ends, not) = if mine.group_end { (me, peer) } else { (peer, me) };
+            format!(
+                " (rank {ends}'s ends a group of collectives, rank {not}'s does not: every rank \
+                 must put the same collectives in each group, since NCCL runs a group's \
+                 collectives in an order of its own, by size and kind)"
+            )
+        }
+        _ => String::new(),
+    };
     Err(format!(
-        "rank {me}'s collective #{n} is {}, but rank {peer}'s collective #{n} is {}",
-        mine.describe(),
+        "rank {me}'s collective #{n} is {}, but rank {peer}'s collective #{n} is {}{grouping}",
+        mine.desc.describe(),
         theirs.map_or_else(
             || "not one this handoff version writes".to_string(),
-            CollDesc::describe
+            |t| t.desc.describe()
         )
     ))
 }
 
-// "HDOFFCD4": cards name the rank's host and its verification channel (see
-// [`crate::nccl::verify::channel`]), so ranks of another version must not be paired with these.
-const CARD_MAGIC: u64 = 0x4844_4f46_4643_4437; // "HDOFFCD7"
+// Cards name the rank's host and its verification channel (see
+// [`crate::nccl::verify::channel`]), and collective entries carry their group's end
+// ([`CollEntry`]) since "HDOFFCD8": ranks of another version must not be paired with these.
+const CARD_MAGIC: u64 = 0x4844_4f46_4643_4438; // "HDOFFCD8"
 /// Words in an encoded card.
 pub(crate) const CARD_WORDS: usize = 40;
 const PATH_AT: usize = 8;
@@ -711,7 +757,11 @@ mod tests {
         };
         assert_eq!(CollDesc::decode(d.encode()), Some(d));
         assert_eq!(CollDesc::decode([0, 0, 0]), None);
-        assert_eq!(compare_coll(0, 1, 0, d, Some(d)), Ok(()));
+        let e = |desc| CollEntry {
+            desc,
+            group_end: true,
+        };
+        assert_eq!(compare_coll(0, 1, 0, e(d), Some(e(d))), Ok(()));
         let others = [
             CollDesc {
                 kind: CollKind::AllReduce,
@@ -727,7 +777,7 @@ mod tests {
             CollDesc { captured: true, ..d },
         ];
         for o in others {
-            let e = compare_coll(0, 1, 4, d, Some(o)).unwrap_err();
+            let e = compare_coll(0, 1, 4, e(d), Some(e(o))).unwrap_err();
             assert!(
                 e.contains("rank 0's collective #5 is reduce of 1001 elements of f32, reduction max, root 1"),
                 "{e}"
@@ -735,7 +785,7 @@ mod tests {
             assert!(e.contains("rank 1's collective #5 is"), "{e}");
         }
         assert!(
-            compare_coll(0, 1, 0, d, None)
+            compare_coll(0, 1, 0, e(d), None)
                 .unwrap_err()
                 .contains("not one this handoff")
         );
@@ -744,9 +794,36 @@ mod tests {
             redop: PRE_MUL_SUM,
             ..d
         };
-        let e = compare_coll(0, 1, 0, pre, Some(CollDesc { redop: 0, ..d })).unwrap_err();
+        let e = compare_coll(0, 1, 0, e(pre), Some(e(CollDesc { redop: 0, ..d }))).unwrap_err();
         assert!(
             e.contains("reduction pre-multiplied sum") && e.contains("reduction sum"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_group_end_travels_with_its_entry_and_counts() {
+        let d = CollDesc::f32_sum(16);
+        for group_end in [false, true] {
+            let e = CollEntry { desc: d, group_end };
+            assert_eq!(CollEntry::decode(e.encode()), Some(e));
+        }
+        let end = CollEntry {
+            desc: d,
+            group_end: true,
+        };
+        let more = CollEntry {
+            desc: d,
+            group_end: false,
+        };
+        let e = compare_coll(0, 1, 0, end, Some(more)).unwrap_err();
+        assert!(
+            e.contains("rank 0's ends a group of collectives, rank 1's does not"),
+            "{e}"
+        );
+        let e = compare_coll(1, 0, 0, more, Some(end)).unwrap_err();
+        assert!(
+            e.contains("rank 0's ends a group of collectives, rank 1's does not"),
             "{e}"
         );
     }
