@@ -1,5 +1,6 @@
-//! The holes of issue 9, each shown closed on the GPU: sequences of safe calls that used to
-//! corrupt memory, deliver wrong data or hang, and now return typed errors within a bound.
+//! The holes of issue 9 and of the 2026-12-03 review (`review3_*`), each shown closed on the
+//! GPU: sequences of safe calls that used to corrupt memory, deliver wrong data or hang, and
+//! now return typed errors within a bound.
 //! Hole 5 (a stream shared by threads) is in `tests/threads.rs`, which also builds against the
 //! crate as it was before the fix.
 //!
@@ -55,6 +56,18 @@ fn main() {
             "hole6b_long_kernel_before_a_transfer_is_not_a_dead_peer",
             2,
             long_kernel_before_a_transfer,
+        ),
+        g.ranks_trial(
+            "review3_1_collectives_grouped_on_one_rank_only_are_a_mismatch_on_both",
+            || grouped_collectives(false),
+        ),
+        g.ranks_trial(
+            "review3_4_one_group_in_two_call_orders_runs_with_the_right_sums",
+            || grouped_collectives(true),
+        ),
+        g.ranks_trial(
+            "review3_2_a_forgotten_registration_is_not_inherited_by_a_later_communicator",
+            forgotten_registration,
         ),
         g.ranks_trial(
             "hole6c_host_wait_behind_a_stuck_receive_is_bounded",
@@ -387,6 +400,117 @@ fn stuck_receive_is_bounded() -> Result<(), Failed> {
         if rank == 1 && took > Duration::from_secs(5) {
             return Err(format!("rank 1's read took {took:?} with a 2 s timeout").into());
         }
+    }
+    Ok(())
+}
+
+/// The 2026-12-03 review's finding 1 (and 4): NCCL 2.28 runs a group's collectives in an order
+/// of its own (by size, then per function, reduction and type), so ranks that group the same
+/// collectives differently pair collectives of different sizes. Rank 0 puts an all_reduce of
+/// 1 Mi elements and one of 16 in one group, rank 1 calls them one after the other: a mismatch
+/// on both, and neither output written (before the fix, both ranks returned Ok and NCCL then
+/// paired the 16 with the 1 Mi). With `same_group`, both ranks group them, in opposite call
+/// orders: NCCL runs them alike, so verification lets them through and both sums are right.
+fn grouped_collectives(same_group: bool) -> Result<(), Failed> {
+    const BIG: usize = 1 << 20;
+    const SMALL: usize = 16;
+    let opts = CommOptions::default().with_timeout(Duration::from_secs(30));
+    let results = two_ranks([opts, opts], move |made| {
+        let comm = made.map_err(|e| e.to_string())?;
+        let r = comm.rank();
+        let e = |e: Error| format!("rank {r}: {e}");
+        let s = Stream::new(comm.device()).map_err(e)?;
+        let big = DeviceBuffer::from_slice(&vec![1.0f32 + r as f32; BIG], &s).map_err(e)?;
+        let small = DeviceBuffer::from_slice(&[10.0f32 + r as f32; SMALL], &s).map_err(e)?;
+        let mut big_out = DeviceBuffer::<f32>::zeros(BIG, &s).map_err(e)?;
+        let mut small_out = DeviceBuffer::<f32>::zeros(SMALL, &s).map_err(e)?;
+        let got = if same_group || r == 0 {
+            group(|g| {
+                if r == 0 {
+                    g.all_reduce(&comm, &big, &mut big_out, handoff::ReduceOp::Sum, &s)?;
+                    g.all_reduce(&comm, &small, &mut small_out, handoff::ReduceOp::Sum, &s)
+                } else {
+                    g.all_reduce(&comm, &small, &mut small_out, handoff::ReduceOp::Sum, &s)?;
+                    g.all_reduce(&comm, &big, &mut big_out, handoff::ReduceOp::Sum, &s)
+                }
+            })
+        } else {
+            comm.all_reduce(&big, &mut big_out, handoff::ReduceOp::Sum, &s)
+                .and_then(|()| comm.all_reduce(&small, &mut small_out, handoff::ReduceOp::Sum, &s))
+        };
+        let outs = (big_out.to_vec(&s).map_err(e)?, small_out.to_vec(&s).map_err(e)?);
+        match (same_group, got) {
+            (false, Err(Error::Mismatch { detail })) => {
+                if outs.0.iter().chain(&outs.1).any(|&v| v != 0.0) {
+                    return Err(format!("rank {r}: refused, yet an output was written"));
+                }
+                Ok(format!("mismatch: {detail}"))
+            }
+            (true, Ok(())) => {
+                if outs.0.iter().any(|&v| v != 3.0) || outs.1.iter().any(|&v| v != 21.0) {
+                    return Err(format!(
+                        "rank {r}: wrong sums: {:?} {:?}",
+                        &outs.0[..4],
+                        &outs.1[..4]
+                    ));
+                }
+                Ok("both sums right".into())
+            }
+            (_, other) => Err(format!("rank {r}: {other:?}")),
+        }
+    })?;
+    for (r, x) in common::both_ok(results)?.iter().enumerate() {
+        println!("rank {r}: {x}");
+    }
+    Ok(())
+}
+
+/// The review's finding 2 on two GPUs' ranks: rank 0 registers `x` with a communicator split
+/// off its own, forgets the registration (`mem::forget`, safe) and drops that communicator;
+/// then it sends `x` over a second one, where rank 1 receives into a registered buffer. NCCL
+/// sees the send unregistered, so verification must too: a mismatch on both (a send from one
+/// side registered alone moves in other steps than its receive). Before the fix a buffer's
+/// registrations were keyed by the communicator state's address, which the second communicator
+/// could take: whether it did was the allocator's choice (the stub test in
+/// `tests/registered_stub.rs` forces it); here the check is that the outcome is right.
+fn forgotten_registration() -> Result<(), Failed> {
+    let opts = CommOptions::default().with_timeout(Duration::from_secs(30));
+    let results = two_ranks([opts, opts], |made| {
+        let comm = made.map_err(|e| e.to_string())?;
+        let r = comm.rank();
+        let e = |e: Error| format!("rank {r}: {e}");
+        let s = Stream::new(comm.device()).map_err(e)?;
+        let mut x = DeviceBuffer::from_slice_nccl(&[5.0f32; 1024], &s).map_err(e)?;
+        let first = comm
+            .split(Some(0), r as i32)
+            .map_err(e)?
+            .ok_or("no first split")?;
+        if r == 0 {
+            std::mem::forget(first.register(&mut x).map_err(e)?);
+        }
+        drop(first);
+        let second = comm
+            .split(Some(0), r as i32)
+            .map_err(e)?
+            .ok_or("no second split")?;
+        let got = if r == 0 {
+            second.send(&x, 1, &s)
+        } else {
+            let mut reg = second.register(&mut x).map_err(e)?;
+            let got = second.recv(reg.view_mut(), 0, &s);
+            drop(reg);
+            got
+        };
+        s.synchronize().map_err(e)?;
+        match got {
+            Err(Error::Mismatch { detail }) if detail.contains("registered") => Ok(detail),
+            other => Err(format!(
+                "rank {r}: {other:?}, want a mismatch naming the registration"
+            )),
+        }
+    })?;
+    for (r, x) in common::both_ok(results)?.iter().enumerate() {
+        println!("rank {r}: {x}");
     }
     Ok(())
 }
