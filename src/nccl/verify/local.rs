@@ -123,7 +123,8 @@ pub(crate) fn match_collectives<K: LocalRank>(members: &[K], colls: &[(K, CollDe
                 let list = |s: &[CollDesc]| s.iter().map(|d| d.describe()).collect::<Vec<_>>().join(", ");
                 return Err(format!(
                     "rank {}'s collectives [{}] and rank {r}'s [{}] in this group, in the order \
-                     NCCL runs them, differ: ranks made together by Communicator::init_all are \
+                     NCCL runs them (call order with an NCCL other than 2.28.3-2.28.9), differ: \
+                     ranks made together by Communicator::init_all are \
                      driven by one thread, so every one of them posts the same collectives in one \
                      group",
                     c.rank(),
