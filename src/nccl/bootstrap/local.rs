@@ -183,7 +183,8 @@ pub fn spawn_local(
 
 /// Starts `world` copies of the running executable on this machine, one rank each, as a
 /// launcher would: rank `r` gets `RANK=r`, `WORLD_SIZE`, `LOCAL_RANK=r`, and a `MASTER_ADDR`
-/// and `MASTER_PORT` of this launch's own (see [`local_master`]), and inherits the rest of the environment
+/// and `MASTER_PORT` of this launch's own (a loopback address drawn for it, 127.a.b.c, and a
+/// port of 20000-29999), and inherits the rest of the environment
 /// (`NCCL_*` included). Unless this process has `HANDOFF_SECRET` or `HANDOFF_SECRET_FILE` set,
 /// the ranks get a fresh random `HANDOFF_SECRET`, so that no other local process can fetch
 /// their id. `configure` may change each rank's command (arguments, variables, redirections)
