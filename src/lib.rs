@@ -176,11 +176,12 @@
 //!   `HANDOFF_VERIFY_CHANNEL=tcp`) uses the verification channel, one TCP connection per pair
 //!   made at creation: each rank keeps a mirror of each remote peer's mailbox and forwards every
 //!   write its peers read, so the checks, errors and bounds are the same. A connection proves by
-//!   HMAC-SHA256 challenge-response (fresh nonces both ways) that it knows both ranks' random
+//!   a Noise handshake (`Noise_NNpsk0_25519_ChaChaPoly_SHA256`) that it knows both ranks' random
 //!   channel tokens, which travel only in the creation-time all-gather, and the job's secret
 //!   when `HANDOFF_SECRET` or `HANDOFF_SECRET_FILE` is set; neither crosses the wire. Frames
-//!   travel in records, each with an HMAC-SHA256 tag over a sequence number and its contents: a
-//!   forged, replayed, reordered or malformed record ends the connection, nothing of it is
+//!   travel in records, each sealed (ChaCha20-Poly1305) under the session's key with its sequence
+//!   number as the nonce: a forged, replayed, reordered, reflected or malformed record ends the
+//!   connection, nothing of it is
 //!   applied, and the peer reads as broken. A verification waiting on a remote peer reads that
 //!   peer's socket itself and sends what it published and checked as one record. Tests: the
 //!   channel's CPU tests over loopback (hostile frames, a full socket, refused handshakes, a
@@ -230,10 +231,10 @@
 //!   Connections are served concurrently (at most [`bootstrap::MAX_CONNECTIONS`](nccl::bootstrap::MAX_CONNECTIONS)), so an idle,
 //!   trickling or garbled client delays no rank, and each rank is served once, by the rank
 //!   number it presents. With a shared secret on every rank (`HANDOFF_SECRET`, or
-//!   `HANDOFF_SECRET_FILE` naming an owner-only file), each side proves it holds the secret by
-//!   HMAC-SHA256 over the other's fresh nonce; the server checks in constant time before it
-//!   sends anything about the id, and sends the id only sealed and MACed; a rank trusts an id
-//!   only from a server that proved the secret. The secret never crosses the wire. Tests:
+//!   `HANDOFF_SECRET_FILE` naming an owner-only file), the exchange is a Noise handshake keyed
+//!   by the secret (`Noise_NNpsk0_25519_ChaChaPoly_SHA256`, the `snow` crate): the server sends
+//!   anything about the id only once the client's handshake and confirmation authenticate, and
+//!   the id only sealed; a rank trusts an id only from a server that proved the secret. The secret never crosses the wire. Tests:
 //!   `tests/bootstrap.rs` (tricklers cut off at their deadline, a rank served beside idle and
 //!   trickling connections, rogue hellos that never see the id, a server without the secret
 //!   refused, mismatched secrets named on both sides) and the property tests of the server,

@@ -70,6 +70,10 @@ fn main() {
             nothing_on_the_wire,
         ),
         Trial::test(
+            "a_replayed_or_altered_exchange_is_refused_and_locks_no_rank_out",
+            replayed_exchange,
+        ),
+        Trial::test(
             "a_server_without_the_secret_cannot_hand_a_rank_an_id",
             server_without_the_secret,
         ),
@@ -235,12 +239,15 @@ fn header() -> Vec<u8> {
     h
 }
 
-/// A hello as a client of this version sends it.
+/// A hello as a client of this version sends it, with a made-up first Noise message (48
+/// bytes) when it claims the secret.
 fn hello(rank: u32, flags: u8) -> Vec<u8> {
     let mut h = header();
     h.push(flags);
     h.extend_from_slice(&rank.to_be_bytes());
-    h.extend_from_slice(&[0x11; 32]);
+    if flags & 1 != 0 {
+        h.extend_from_slice(&[0x11; 48]);
+    }
     h
 }
 
@@ -444,6 +451,9 @@ fn spawn_local_ranks() -> Result<(), Failed> {
     )
 }
 
+/// A valid hello claiming rank 1 with the secret: its Noise message (48 bytes) is then trickled.
+const SLOW_HELLO: &[u8] = b"HNDOFF\0\x03\x01\0\0\0\x01";
+
 /// A client that connects, sends `first`, then one byte every 100 ms (reading whatever comes
 /// back) until the server has closed the connection or `limit` passes. Returns how long after
 /// connecting the server closed it (`None`: it never did).
@@ -487,10 +497,17 @@ fn trickler_cut_off() -> Result<(), Failed> {
     let addr = free_addr()?;
     let id = test_id();
     let deadline = Duration::from_secs(1);
-    let server = serve_unique_id(&addr, &id, 2, &opts(20_000).with_connection_timeout(deadline))?;
-    // One trickles a valid hello's header and then the rest a byte at a time; one sends a
+    let server = serve_unique_id(
+        &addr,
+        &id,
+        2,
+        &opts(20_000)
+            .with_secret(secret())
+            .with_connection_timeout(deadline),
+    )?;
+    // One trickles a valid hello and then its Noise message a byte at a time; one sends a
     // wrong hello and goes on trickling after the refusal.
-    let slow_hello = trickle(&addr, b"HNDOFF\0\x02", Duration::from_secs(6))?;
+    let slow_hello = trickle(&addr, SLOW_HELLO, Duration::from_secs(6))?;
     let garbage = trickle(&addr, b"GARBAGE!", Duration::from_secs(6))?;
     let (a, b) = (slow_hello.join().unwrap(), garbage.join().unwrap());
     println!("slow hello cut off after {a:?}, garbage after {b:?} (deadline {deadline:?})");
@@ -504,9 +521,10 @@ fn trickler_cut_off() -> Result<(), Failed> {
         format!("garbage cut off after {b:?}")
     })?;
     // The server serves on.
-    check(fetch_unique_id(&addr, 1, &opts(5000))? == id, || {
-        "another id".into()
-    })?;
+    check(
+        fetch_unique_id(&addr, 1, &opts(5000).with_secret(secret()))? == id,
+        || "another id".into(),
+    )?;
     server.wait()?;
     Ok(())
 }
@@ -517,9 +535,14 @@ fn trickler_and_server_deadline() -> Result<(), Failed> {
     let addr = free_addr()?;
     let timeout = Duration::from_secs(2);
     let t = Instant::now();
-    let server = serve_unique_id(&addr, &test_id(), 2, &BootstrapOptions::new(timeout))?;
+    let server = serve_unique_id(
+        &addr,
+        &test_id(),
+        2,
+        &BootstrapOptions::new(timeout).with_secret(secret()),
+    )?;
     let garbage = trickle(&addr, b"GARBAGE!", Duration::from_secs(8))?;
-    let slow_hello = trickle(&addr, b"HNDOFF\0\x02", Duration::from_secs(8))?;
+    let slow_hello = trickle(&addr, SLOW_HELLO, Duration::from_secs(8))?;
     let e = server.wait().unwrap_err();
     let took = t.elapsed();
     let (a, b) = (garbage.join().unwrap(), slow_hello.join().unwrap());
@@ -544,12 +567,12 @@ fn trickler_and_server_deadline() -> Result<(), Failed> {
 fn idle_and_trickling() -> Result<(), Failed> {
     let addr = free_addr()?;
     let id = test_id();
-    let server = serve_unique_id(&addr, &id, 2, &opts(20_000))?;
+    let server = serve_unique_id(&addr, &id, 2, &opts(20_000).with_secret(secret()))?;
     let idle: Vec<TcpStream> = (0..5).map(|_| connect(&addr)).collect::<Result<_, _>>()?;
-    let trickler = trickle(&addr, b"HNDOFF\0\x02", Duration::from_secs(3))?;
+    let trickler = trickle(&addr, SLOW_HELLO, Duration::from_secs(3))?;
     std::thread::sleep(Duration::from_millis(100));
     let t = Instant::now();
-    let got = fetch_unique_id(&addr, 1, &opts(10_000))?;
+    let got = fetch_unique_id(&addr, 1, &opts(10_000).with_secret(secret()))?;
     let took = t.elapsed();
     println!("the real rank got the id after {took:?} beside 5 idle connections and a trickler");
     check(got == id, || "another id".into())?;
@@ -579,7 +602,7 @@ fn served_once() -> Result<(), Failed> {
         (hello(u32::MAX, 0), "is not one"),
         (hello(1, 0x80), "unknown hello flags"),
         (b"HNDOFF\0\x01".to_vec(), "version 1 asked"),
-        (hello(1, 0)[..20].to_vec(), ""),
+        (hello(1, 0)[..10].to_vec(), ""),
     ] {
         let reply = exchange_raw(&addr, &bytes)?;
         if says.is_empty() {
@@ -609,26 +632,22 @@ fn served_once() -> Result<(), Failed> {
     Ok(())
 }
 
-/// A rogue that claims `rank` with the secret flag, reads the challenge, and answers a
-/// random proof (or, with `idle`, nothing). Returns every byte it received.
-fn rogue(addr: &str, rank: u32, idle: bool) -> Result<Vec<u8>, Failed> {
+/// A rogue that claims `rank` with the secret flag and a made-up first Noise message (or, with
+/// `idle`, the clear hello alone, then nothing). Returns every byte it received, and the
+/// connection (held open while idle).
+fn rogue(addr: &str, rank: u32, idle: bool) -> Result<(Vec<u8>, TcpStream), Failed> {
     let mut c = connect(addr)?;
     c.set_read_timeout(Some(Duration::from_secs(10)))?;
-    c.write_all(&hello(rank, 1))?;
-    let mut challenge = vec![0u8; 9 + 64];
-    c.read_exact(&mut challenge)?;
-    check(challenge[..8] == *header() && challenge[8] == 2, || {
-        format!("no challenge: {challenge:?}")
-    })?;
+    let h = hello(rank, 1);
     if idle {
-        return Ok(challenge);
+        c.write_all(&h[..13])?;
+        return Ok((Vec::new(), c));
     }
-    c.write_all(&[0x42; 32])?;
+    c.write_all(&h)?;
     c.shutdown(Shutdown::Write)?;
-    let mut rest = Vec::new();
-    c.read_to_end(&mut rest)?;
-    challenge.extend_from_slice(&rest);
-    Ok(challenge)
+    let mut got = Vec::new();
+    c.read_to_end(&mut got)?;
+    Ok((got, c))
 }
 
 fn rogues_with_secret() -> Result<(), Failed> {
@@ -636,17 +655,17 @@ fn rogues_with_secret() -> Result<(), Failed> {
     let id = test_id();
     let server = serve_unique_id(&addr, &id, 4, &opts(20_000).with_secret(secret()))?;
     let mut seen = Vec::new();
-    // world - 1 rogues claim every rank with random proofs, three more hold challenges open,
-    // and one claims a rank without the flag.
+    // world - 1 rogues claim every rank with made-up handshakes, three more hold handshakes
+    // open, and one claims a rank without the flag.
     for rank in 1..4 {
-        let got = rogue(&addr, rank, false)?;
-        let (status, msg) = refusal(&[&got[..8], &got[9 + 64..]].concat())?;
+        let (got, _) = rogue(&addr, rank, false)?;
+        let (status, msg) = refusal(&got)?;
         check(status == 4 && msg.contains("different secrets"), || {
             format!("rogue got {status} {msg:?}")
         })?;
         seen.extend(got);
     }
-    let idle: Vec<Vec<u8>> = (1..4).map(|r| rogue(&addr, r, true)).collect::<Result<_, _>>()?;
+    let idle: Vec<(Vec<u8>, TcpStream)> = (1..4).map(|r| rogue(&addr, r, true)).collect::<Result<_, _>>()?;
     let (status, msg) = refusal(&exchange_raw(&addr, &hello(2, 0))?)?;
     check(status == 4 && msg.contains("holds none"), || {
         format!("flagless rogue got {msg:?}")
@@ -787,6 +806,59 @@ fn nothing_on_the_wire() -> Result<(), Failed> {
     Ok(())
 }
 
+/// An honest exchange under the secret, captured by a relay, then its client bytes replayed
+/// to a new server, whole and with a bit flipped in each part (the clear hello's rank, the
+/// first Noise message, the confirmation): each is refused as an authentication failure, sees
+/// nothing of the id, and the real rank is served after them.
+fn replayed_exchange() -> Result<(), Failed> {
+    let id = test_id();
+    let o = |t| opts(t).with_secret(secret());
+    let addr = free_addr()?;
+    let server = serve_unique_id(&addr, &id, 2, &o(10_000))?;
+    let (via, relay) = proxy(addr.clone())?;
+    check(fetch_unique_id(&via, 1, &o(5000))? == id, || "another id".into())?;
+    server.wait()?;
+    let (up, _) = relay.join().unwrap();
+    check(up.len() == 13 + 48 + 16, || {
+        format!("the client sent {} bytes", up.len())
+    })?;
+    let addr = free_addr()?;
+    let server = serve_unique_id(&addr, &id, 3, &o(10_000))?;
+    let flipped = |at: usize, bit: u8| {
+        let mut b = up.clone();
+        b[at] ^= bit;
+        b
+    };
+    let mut cases = 0;
+    for (what, bytes) in [
+        ("the whole exchange", up.clone()),
+        ("the rank flipped", flipped(12, 3)),
+        ("a bit of the first message", flipped(20, 1)),
+        ("a bit of the confirmation", flipped(13 + 48 + 2, 1)),
+    ] {
+        let reply = exchange_raw(&addr, &bytes)?;
+        check(!contains(&reply, id.as_bytes()), || format!("{what}: the id"))?;
+        // A refusal after the server's handshake message, or at once.
+        let refused = if reply.len() > 9 + 48 && reply[8] == 2 {
+            [&reply[..8], &reply[9 + 48..]].concat()
+        } else {
+            reply.clone()
+        };
+        let (status, msg) = refusal(&refused)?;
+        println!("replayed, {what}: {status} {msg}");
+        check(status == 4 && msg.contains("different secrets"), || {
+            format!("{what}: {status} {msg:?}")
+        })?;
+        cases += 1;
+    }
+    println!("bootstrap replayed exchanges: {cases} cases");
+    for r in 1..3 {
+        check(fetch_unique_id(&addr, r, &o(5000))? == id, || "another id".into())?;
+    }
+    server.wait()?;
+    Ok(())
+}
+
 /// A server that answers every connection with `reply` (after reading the client's bytes).
 fn fake_server(reply: Vec<u8>) -> Result<String, Failed> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
@@ -807,9 +879,9 @@ fn server_without_the_secret() -> Result<(), Failed> {
     // A challenge with a made-up proof, then an "id"; and an id sent in the clear.
     let mut challenge = header();
     challenge.push(2);
-    challenge.extend_from_slice(&[0x33; 64]);
+    challenge.extend_from_slice(&[0x33; 48]);
     challenge.push(0);
-    challenge.extend_from_slice(&[0x44; 160]);
+    challenge.extend_from_slice(&[0x44; 144]);
     let mut plain = header();
     plain.push(0);
     plain.extend_from_slice(test_id().as_bytes());

@@ -26,14 +26,16 @@
 //! a server paces its bytes.
 //!
 //! # Authentication
-//! With a secret on every rank, the server sends a fresh random nonce and its proof of the
-//! secret, `HMAC-SHA256(secret, label ‖ rank ‖ client nonce ‖ server nonce)`; the client
-//! checks it and answers its own; the server checks that (in constant time) before it sends
-//! anything about the id, and then sends the id encrypted under a keystream derived from the
-//! secret and both nonces, with a MAC the client checks before trusting it. The secret never
-//! crosses the wire, and nor does the id in the clear. A secret on one side only, or two
-//! different ones, is [`Error::BootstrapAuth`] on the rank (naming what to set) and counted in
-//! rank 0's [`Error::BootstrapTimeout`].
+//! With a secret on every rank, the exchange runs the Noise protocol
+//! `Noise_NNpsk0_25519_ChaChaPoly_SHA256` (the `snow` crate; see `noise.rs`), its pre-shared key
+//! derived from the secret and its prologue the clear hello (version, flags, rank): the
+//! client's first message proves it holds the secret, the server's answer proves the server
+//! does, the client's confirmation that it is live in this handshake (not a replay), and only
+//! then is the rank claimed and the id sent, encrypted and authenticated under keys from fresh
+//! ephemeral keys and the secret (forward secrecy). The secret never crosses the wire, and nor
+//! does the id in the clear. A secret on one side only, or two different ones, is
+//! [`Error::BootstrapAuth`] on the rank (naming what to set) and counted in rank 0's
+//! [`Error::BootstrapTimeout`].
 //!
 //! What someone who can connect to the port can still do:
 //! - Without a secret: fetch the id (all NCCL needs to join the job as a rank), and so take a
@@ -45,14 +47,16 @@
 //! - Either way, handoff does not authenticate NCCL's own sockets: anyone who learns the id
 //!   otherwise, or who can reach NCCL's ports, is NCCL's concern.
 //!
-//! # Wire format (version 2)
-//! The client sends 45 bytes: `HNDOFF`, 0, version, flags (bit 0: it holds a secret), its rank
-//! (u32, big-endian) and a 32-byte nonce. The server answers `HNDOFF`, 0, its version, and a
-//! status byte: 0 and the 128 id bytes (no secret); 2, a challenge (under a secret, as above);
-//! or a refusal (1; 3 "busy, try again"; 4 authentication), a big-endian u16 length and a UTF-8
-//! message. A connection that sends anything else gets the refusal and is closed; the server
-//! keeps serving the others. Version 1's refusal has the same layout, so a rank of either
-//! version is told the other's version.
+//! # Wire format (version 3)
+//! The client sends 13 bytes: `HNDOFF`, 0, version, flags (bit 0: it holds a secret) and its
+//! rank (u32, big-endian), then, with the flag, the first Noise message (48 bytes). The server
+//! answers `HNDOFF`, 0, its version, and a status byte: 0 and the 128 id bytes (no secret); 2
+//! and the second Noise message (under a secret; the client then sends its 16-byte
+//! confirmation, and the server a status byte again: 0 and the sealed id, 144 bytes, or a
+//! refusal); or a refusal (1; 3 "busy, try again"; 4 authentication), a big-endian u16 length
+//! and a UTF-8 message. A connection that sends anything else gets the refusal and is closed;
+//! the server keeps serving the others. Versions 1 and 2 have the same header and refusal, so a
+//! rank of either version is told the other's version.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
@@ -63,6 +67,7 @@ use crate::nccl::{CommOptions, Communicator, UniqueId};
 
 mod client;
 mod local;
+pub(crate) mod noise;
 pub(crate) mod secret;
 mod server;
 mod wire;

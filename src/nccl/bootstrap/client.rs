@@ -55,13 +55,6 @@ pub fn fetch_unique_id(addr: &str, rank: usize, options: &BootstrapOptions) -> R
         match TcpStream::connect_timeout(&sock, left.min(Duration::from_secs(1))) {
             Ok(conn) => {
                 let _ = conn.set_nodelay(true);
-                let mut nonce = [0u8; crate::nccl::bootstrap::secret::NONCE];
-                if secret.is_some() {
-                    crate::nccl::bootstrap::secret::random(&mut nonce).map_err(|e| Error::Bootstrap {
-                        addr: addr.to_string(),
-                        detail: format!("cannot read /dev/urandom for a nonce: {e}"),
-                    })?;
-                }
                 match wire::fetch(
                     &mut Timed {
                         conn: &conn,
@@ -70,7 +63,6 @@ pub fn fetch_unique_id(addr: &str, rank: usize, options: &BootstrapOptions) -> R
                     addr,
                     rank,
                     secret,
-                    nonce,
                 ) {
                     Ok(id) => return Ok(id),
                     Err(Attempt::Failed(e)) => return Err(e),

@@ -1,17 +1,13 @@
-//! The job's shared secret and the MACs the id exchange computes with it. The secret never
-//! crosses the wire and is never printed, and comparing it or a MAC takes the same time
-//! whichever byte differs.
+//! The job's shared secret. It never crosses the wire (it keys the Noise handshakes of
+//! [`noise`](super::noise)) and is never printed, and comparing it takes the same time whichever
+//! byte differs.
 
 use std::fmt;
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
-
 use crate::error::{Error, Result};
-use crate::nccl::UniqueId;
 
 /// The variable holding the secret itself.
 pub const SECRET_VAR: &str = "HANDOFF_SECRET";
@@ -19,8 +15,8 @@ pub const SECRET_VAR: &str = "HANDOFF_SECRET";
 pub const SECRET_FILE_VAR: &str = "HANDOFF_SECRET_FILE";
 
 /// A secret every rank of a job holds, proving to rank 0's id server that a client is one of
-/// the job's ranks, and to a rank that the server is rank 0. It never crosses the wire: each
-/// side sends an HMAC-SHA256 over the other's fresh nonce (see [`bootstrap`](super)).
+/// the job's ranks, and to a rank that the server is rank 0. It never crosses the wire: it is the
+/// pre-shared key of a Noise handshake (see [`bootstrap`](super)).
 ///
 /// Its bytes are never printed (`Debug` shows `Secret(..)`); equality takes the same time
 /// whichever byte differs.
@@ -142,12 +138,6 @@ impl Secret {
         random(&mut b)?;
         Ok(b.iter().map(|x| format!("{x:02x}")).collect())
     }
-
-    fn mac(&self, label: &[u8]) -> Hmac<Sha256> {
-        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
-        m.update(label);
-        m
-    }
 }
 
 impl fmt::Debug for Secret {
@@ -170,140 +160,10 @@ pub(crate) fn random(buf: &mut [u8]) -> std::io::Result<()> {
     std::fs::File::open("/dev/urandom")?.read_exact(buf)
 }
 
-/// Bytes of a nonce, a MAC.
-pub(super) const NONCE: usize = 32;
-pub(super) const MAC: usize = 32;
-/// The id as sent under a secret: encrypted, then its MAC.
-pub(super) const SEALED: usize = UniqueId::BYTES + MAC;
-
-// Each MAC's input starts with its own label, so no MAC one side sends can stand for another.
-const SERVER_PROOF: &[u8] = b"handoff bootstrap 2: server proof\0";
-const CLIENT_PROOF: &[u8] = b"handoff bootstrap 2: client proof\0";
-const ID_KEY: &[u8] = b"handoff bootstrap 2: id keystream\0";
-const ID_MAC: &[u8] = b"handoff bootstrap 2: id mac\0";
-
-/// What one exchange's MACs cover: the secret, the rank the client claims, and both nonces.
-pub(super) struct Transcript<'a> {
-    pub secret: &'a Secret,
-    pub rank: u32,
-    pub client_nonce: [u8; NONCE],
-    pub server_nonce: [u8; NONCE],
-}
-
-impl Transcript<'_> {
-    fn mac(&self, label: &[u8]) -> Hmac<Sha256> {
-        let mut m = self.secret.mac(label);
-        m.update(&self.rank.to_be_bytes());
-        m.update(&self.client_nonce);
-        m.update(&self.server_nonce);
-        m
-    }
-
-    /// What the server sends to show it holds the secret.
-    pub fn server_proof(&self) -> [u8; MAC] {
-        self.mac(SERVER_PROOF).finalize().into_bytes().into()
-    }
-
-    /// What the client sends to show it holds the secret.
-    pub fn client_proof(&self) -> [u8; MAC] {
-        self.mac(CLIENT_PROOF).finalize().into_bytes().into()
-    }
-
-    /// Whether `proof` is the server's (compared in constant time).
-    pub fn is_server_proof(&self, proof: &[u8]) -> bool {
-        self.mac(SERVER_PROOF).verify_slice(proof).is_ok()
-    }
-
-    /// Whether `proof` is the client's (compared in constant time).
-    pub fn is_client_proof(&self, proof: &[u8]) -> bool {
-        self.mac(CLIENT_PROOF).verify_slice(proof).is_ok()
-    }
-
-    /// HMAC in counter mode: the keystream that hides the id from anyone watching the wire.
-    fn keystream(&self) -> [u8; UniqueId::BYTES] {
-        let mut ks = [0u8; UniqueId::BYTES];
-        for (i, block) in ks.chunks_mut(MAC).enumerate() {
-            let mut m = self.mac(ID_KEY);
-            m.update(&[i as u8]);
-            block.copy_from_slice(&m.finalize().into_bytes()[..block.len()]);
-        }
-        ks
-    }
-
-    /// The id encrypted, then MACed (encrypt-then-MAC).
-    pub fn seal(&self, id: &[u8; UniqueId::BYTES]) -> [u8; SEALED] {
-        let mut out = [0u8; SEALED];
-        for ((o, k), b) in out.iter_mut().zip(self.keystream()).zip(id) {
-            *o = k ^ b;
-        }
-        let mut m = self.mac(ID_MAC);
-        m.update(&out[..UniqueId::BYTES]);
-        out[UniqueId::BYTES..].copy_from_slice(&m.finalize().into_bytes());
-        out
-    }
-
-    /// The id from `sealed`, or `None` when its MAC is not this transcript's.
-    pub fn open(&self, sealed: &[u8; SEALED]) -> Option<[u8; UniqueId::BYTES]> {
-        let (cipher, tag) = sealed.split_at(UniqueId::BYTES);
-        let mut m = self.mac(ID_MAC);
-        m.update(cipher);
-        m.verify_slice(tag).ok()?;
-        let mut id = [0u8; UniqueId::BYTES];
-        for ((o, k), c) in id.iter_mut().zip(self.keystream()).zip(cipher) {
-            *o = k ^ c;
-        }
-        Some(id)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
-
-    fn transcript(secret: &Secret) -> Transcript<'_> {
-        Transcript {
-            secret,
-            rank: 3,
-            client_nonce: [1; NONCE],
-            server_nonce: [2; NONCE],
-        }
-    }
-
-    #[test]
-    fn proofs_and_sealed_id_need_the_same_secret_rank_and_nonces() {
-        let (a, b) = (Secret::new([7u8; 32]).unwrap(), Secret::new([8u8; 32]).unwrap());
-        let t = transcript(&a);
-        let id = [0x5a; UniqueId::BYTES];
-        let sealed = t.seal(&id);
-        assert_eq!(t.open(&sealed), Some(id));
-        assert!(!sealed.windows(16).any(|w| id.windows(16).any(|v| v == w)));
-        assert!(t.is_client_proof(&t.client_proof()) && t.is_server_proof(&t.server_proof()));
-        // One side's proof never passes as the other's.
-        assert!(!t.is_client_proof(&t.server_proof()) && !t.is_server_proof(&t.client_proof()));
-        let others = [
-            transcript(&b),
-            Transcript {
-                rank: 4,
-                ..transcript(&a)
-            },
-            Transcript {
-                client_nonce: [9; NONCE],
-                ..transcript(&a)
-            },
-            Transcript {
-                server_nonce: [9; NONCE],
-                ..transcript(&a)
-            },
-        ];
-        for o in &others {
-            assert!(!o.is_client_proof(&t.client_proof()) && !o.is_server_proof(&t.server_proof()));
-            assert_eq!(o.open(&sealed), None);
-        }
-        let mut flipped = sealed;
-        flipped[5] ^= 1;
-        assert_eq!(t.open(&flipped), None);
-    }
 
     #[test]
     fn secrets_from_variables_and_files() {

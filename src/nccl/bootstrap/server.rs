@@ -73,11 +73,11 @@ impl Drop for IdServer {
 /// to ranks `1..world_size`, each once, until all are served or `options.timeout()` passes. Each
 /// connection must finish its exchange within `options.connection_timeout()`; connections are
 /// served concurrently, so none delays another. Under `options.secret()`, a client gets the id
-/// only after proving it holds the secret.
+/// only after a Noise handshake keyed by the secret (see [`bootstrap`](super)).
 ///
 /// # Errors
-/// [`Error::Bootstrap`] when the address cannot be listened on, or (under a secret) the kernel's
-/// random source cannot be read; [`Error::InvalidArgument`] when `world_size` is 0 or more
+/// [`Error::Bootstrap`] when the address cannot be listened on, or (under a secret) no Noise
+/// handshake can be made; [`Error::InvalidArgument`] when `world_size` is 0 or more
 /// than `i32::MAX`.
 pub fn serve_unique_id(
     addr: &str,
@@ -95,8 +95,11 @@ pub fn serve_unique_id(
         detail,
     };
     if options.secret().is_some() {
-        crate::nccl::bootstrap::secret::random(&mut [0u8; 1])
-            .map_err(|e| fail(format!("cannot read /dev/urandom for nonces: {e}")))?;
+        // Each handshake draws an ephemeral key: without randomness, fail here rather than on
+        // every connection.
+        crate::nccl::bootstrap::noise::Handshake::initiator(b"", &[0; 32])
+            .and_then(|mut h| h.write())
+            .map_err(|e| fail(format!("cannot make a handshake under the secret: {e}")))?;
     }
     let deadline = deadline_after(options.timeout());
     let listener = TcpListener::bind(resolve(addr)?).map_err(|e| {
@@ -381,9 +384,7 @@ fn serve_connection(conn: &TcpStream, shared: &Shared, deadline: Instant) -> Out
         world: shared.world,
         secret: shared.secret.as_ref(),
     };
-    let outcome = wire::serve(&mut Timed { conn, deadline }, &side, shared, |n| {
-        crate::nccl::bootstrap::secret::random(n)
-    });
+    let outcome = wire::serve(&mut Timed { conn, deadline }, &side, shared);
     if let Outcome::Refused(_) = outcome {
         // Stop writing, then read what the peer still sends (briefly, boundedly), so that the
         // close does not reset the connection before the refusal is read.

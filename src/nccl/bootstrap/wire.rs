@@ -1,21 +1,20 @@
 //! The id exchange's wire format, and each side's half of one exchange over any byte stream
 //! that keeps a deadline ([`Wire`]); the TCP loops around them are in `server` and `client`.
 //!
-//! Version 2 (every integer big-endian):
-//! - client: hello = `HNDOFF`, 0, version (2), flags (bit 0: "I hold a secret"; the others 0),
-//!   the rank it claims (u32), a fresh 32-byte client nonce.
+//! Version 3 (every integer big-endian):
+//! - client: hello = `HNDOFF`, 0, version (3), flags (bit 0: "I hold a secret"; the others 0),
+//!   the rank it claims (u32); with the secret flag, then the first Noise message (48 bytes, see
+//!   [`noise`](super::noise)), whose prologue is these 13 bytes.
 //! - server: `HNDOFF`, 0, its version, then a status byte and what it carries:
 //!   - 0, without a secret: the 128 id bytes.
-//!   - 2, with one: a fresh 32-byte server nonce and the server's proof
-//!     `HMAC(secret, "…server proof" ‖ rank ‖ client nonce ‖ server nonce)`. The client answers
-//!     its own proof (the same with "…client proof"), and the server then sends a status byte
-//!     again: 0 and the id encrypted with an HMAC keystream, then its MAC (160 bytes), or a
-//!     refusal.
+//!   - 2, with one: the second Noise message (48 bytes). The client answers its confirmation
+//!     (16 bytes), and the server then sends a status byte again: 0 and the id sealed as its
+//!     record 0 (144 bytes), or a refusal.
 //!   - 1 (refused), 3 (busy: try again), 4 (refused: authentication): a u16 length and that
 //!     many bytes of UTF-8 saying why.
 //!
 //! The server reads the first 8 bytes before the rest, so a client of another version gets the
-//! refusal naming both versions (version 1's refusal has this layout too).
+//! refusal naming both versions (versions 1 and 2 have this refusal's layout too).
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -23,19 +22,25 @@ use std::time::Instant;
 
 use crate::error::Error;
 use crate::nccl::UniqueId;
-use crate::nccl::bootstrap::secret::{MAC, NONCE, SEALED, Secret, Transcript};
+use crate::nccl::bootstrap::noise::{self, Handshake, MESSAGE, Session, TAG};
+use crate::nccl::bootstrap::secret::Secret;
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 2;
+pub const PROTOCOL_VERSION: u8 = 3;
 pub(super) const MAGIC: &[u8; 6] = b"HNDOFF";
 /// Hello flag: the client holds a secret.
 pub(super) const FLAG_SECRET: u8 = 1;
-/// Bytes of the hello after its 8-byte header: flags, rank, client nonce.
-pub(super) const HELLO_REST: usize = 1 + 4 + NONCE;
+/// Bytes of the hello after its 8-byte header: flags, rank (then, under a secret, the first
+/// Noise message).
+pub(super) const HELLO_REST: usize = 1 + 4;
+/// Bytes of the clear hello, the Noise prologue.
+const HELLO: usize = 8 + HELLO_REST;
+/// The id as sent under a secret: sealed.
+const SEALED: usize = UniqueId::BYTES + TAG;
 
 pub(super) const ID: u8 = 0;
 pub(super) const REFUSED: u8 = 1;
-pub(super) const CHALLENGE: u8 = 2;
+pub(super) const HANDSHAKE: u8 = 2;
 pub(super) const BUSY: u8 = 3;
 pub(super) const AUTH_REFUSED: u8 = 4;
 
@@ -46,13 +51,24 @@ pub(super) fn header() -> [u8; 8] {
     h
 }
 
-/// The client's hello.
-pub(super) fn hello(rank: u32, holds_secret: bool, nonce: &[u8; NONCE]) -> Vec<u8> {
-    let mut h = header().to_vec();
-    h.push(if holds_secret { FLAG_SECRET } else { 0 });
-    h.extend_from_slice(&rank.to_be_bytes());
-    h.extend_from_slice(nonce);
+/// The client's clear hello.
+pub(super) fn hello(rank: u32, holds_secret: bool) -> [u8; HELLO] {
+    let mut h = [0u8; HELLO];
+    h[..8].copy_from_slice(&header());
+    h[8] = if holds_secret { FLAG_SECRET } else { 0 };
+    h[9..].copy_from_slice(&rank.to_be_bytes());
     h
+}
+
+/// The Noise prologue of an exchange: a label and the clear hello, so that the handshake fails
+/// if any of it (version, flags, rank) was altered on the way.
+fn prologue(hello: &[u8; HELLO]) -> Vec<u8> {
+    [b"handoff bootstrap 3\0".as_slice(), hello].concat()
+}
+
+/// The pre-shared key of the id exchange under `secret`.
+fn psk(secret: &Secret) -> [u8; 32] {
+    noise::psk("bootstrap", Some(secret.bytes()), &[])
 }
 
 /// A status byte and a message, with the header in front when it is the server's first word.
@@ -156,7 +172,8 @@ pub(super) enum Refusal {
     ClientLacksSecret,
     /// The client holds a secret, the server none.
     ServerLacksSecret,
-    /// The client's proof is not the server's secret's.
+    /// The client's first Noise message or its confirmation does not authenticate under the
+    /// server's secret (another secret, a replay, damage).
     WrongProof,
     NoRandomness,
 }
@@ -205,11 +222,13 @@ impl Refusal {
                 crate::nccl::bootstrap::SECRET_FILE_VAR
             ),
             Refusal::WrongProof => {
-                "the client's proof does not match rank 0's secret: the ranks hold different \
-                                    secrets"
+                "the client's handshake does not authenticate under rank 0's secret: the ranks hold \
+                 different secrets (or it replayed another's)"
                     .into()
             }
-            Refusal::NoRandomness => "rank 0 cannot read /dev/urandom for a nonce".into(),
+            Refusal::NoRandomness => {
+                "rank 0 cannot make a Noise handshake (no randomness for its key)".into()
+            }
         }
     }
 
@@ -228,32 +247,24 @@ fn refuse(w: &mut impl Wire, first: bool, why: Refusal, world: u32) -> Outcome {
 }
 
 /// The server's half of one exchange. Nothing about the id is sent before the hello is checked,
-/// and under a secret before the client's proof is; `nonce` fills the server's nonce.
-pub(super) fn serve(
-    w: &mut impl Wire,
-    side: &ServerSide<'_>,
-    ranks: &impl Ranks,
-    nonce: impl FnOnce(&mut [u8; NONCE]) -> io::Result<()>,
-) -> Outcome {
+/// and under a secret before the client's first Noise message and its confirmation are.
+pub(super) fn serve(w: &mut impl Wire, side: &ServerSide<'_>, ranks: &impl Ranks) -> Outcome {
     let world = side.world;
-    let mut head = [0u8; 8];
-    if let Err(e) = w.recv(&mut head) {
+    let mut hello = [0u8; HELLO];
+    if let Err(e) = w.recv(&mut hello[..8]) {
         return Outcome::Dropped(e.kind());
     }
-    if &head[..6] != MAGIC || head[6] != 0 {
+    if &hello[..6] != MAGIC || hello[6] != 0 {
         return refuse(w, true, Refusal::NotProtocol, world);
     }
-    if head[7] != PROTOCOL_VERSION {
-        return refuse(w, true, Refusal::Version(head[7]), world);
+    if hello[7] != PROTOCOL_VERSION {
+        return refuse(w, true, Refusal::Version(hello[7]), world);
     }
-    let mut rest = [0u8; HELLO_REST];
-    if let Err(e) = w.recv(&mut rest) {
+    if let Err(e) = w.recv(&mut hello[8..]) {
         return Outcome::Dropped(e.kind());
     }
-    let flags = rest[0];
-    let rank = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]);
-    let mut client_nonce = [0u8; NONCE];
-    client_nonce.copy_from_slice(&rest[5..]);
+    let flags = hello[8];
+    let rank = u32::from_be_bytes([hello[9], hello[10], hello[11], hello[12]]);
     if flags & !FLAG_SECRET != 0 {
         return refuse(w, true, Refusal::Flags(flags), world);
     }
@@ -280,35 +291,46 @@ pub(super) fn serve(
         }
         (Some(s), true) => s,
     };
-    let mut server_nonce = [0u8; NONCE];
-    if nonce(&mut server_nonce).is_err() {
+    let mut first = [0u8; MESSAGE];
+    if let Err(e) = w.recv(&mut first) {
+        return Outcome::Dropped(e.kind());
+    }
+    let Ok(mut handshake) = Handshake::responder(&prologue(&hello), &psk(secret)) else {
         return refuse(w, true, Refusal::NoRandomness, world);
-    }
-    let t = Transcript {
-        secret,
-        rank,
-        client_nonce,
-        server_nonce,
     };
-    let mut challenge = header().to_vec();
-    challenge.push(CHALLENGE);
-    challenge.extend_from_slice(&server_nonce);
-    challenge.extend_from_slice(&t.server_proof());
-    if let Err(e) = w.send(&challenge) {
+    if !handshake.read(&first) {
+        return refuse(w, true, Refusal::WrongProof, world);
+    }
+    let Ok(second) = handshake.write() else {
+        return refuse(w, true, Refusal::NoRandomness, world);
+    };
+    let Ok(session) = handshake.finish() else {
+        return refuse(w, true, Refusal::NoRandomness, world);
+    };
+    let mut reply = header().to_vec();
+    reply.push(HANDSHAKE);
+    reply.extend_from_slice(&second);
+    if let Err(e) = w.send(&reply) {
         return Outcome::Dropped(e.kind());
     }
-    let mut proof = [0u8; MAC];
-    if let Err(e) = w.recv(&mut proof) {
+    // The first message may be a replay: only the confirmation shows the client saw this
+    // server's ephemeral key, so only then is a rank claimed.
+    let mut confirmation = [0u8; TAG];
+    if let Err(e) = w.recv(&mut confirmation) {
         return Outcome::Dropped(e.kind());
     }
-    if !t.is_client_proof(&proof) {
+    if !session.confirms(&confirmation) {
         return refuse(w, false, Refusal::WrongProof, world);
     }
     if !ranks.claim(rank) {
         return refuse(w, false, Refusal::AlreadyServed(rank), world);
     }
-    let mut reply = vec![ID];
-    reply.extend_from_slice(&t.seal(side.id.as_bytes()));
+    let mut reply = [0u8; 1 + SEALED];
+    reply[0] = ID;
+    if !session.seal(0, side.id.as_bytes(), &mut reply[1..]) {
+        ranks.release(rank);
+        return refuse(w, false, Refusal::NoRandomness, world);
+    }
     match w.send(&reply) {
         Ok(()) => Outcome::Served(rank),
         Err(e) => {
@@ -367,13 +389,13 @@ fn io_retry(what: &str, e: &io::Error) -> Attempt {
     })
 }
 
-/// The client's half of one exchange: the id, verified under a secret before it is trusted.
+/// The client's half of one exchange: the id, under a secret trusted only from a server that
+/// completed the Noise handshake with this rank's secret.
 pub(super) fn fetch(
     w: &mut impl Wire,
     addr: &str,
     rank: u32,
     secret: Option<&Secret>,
-    client_nonce: [u8; NONCE],
 ) -> Result<UniqueId, Attempt> {
     let fail = |detail: String| {
         Attempt::Failed(Error::Bootstrap {
@@ -391,8 +413,23 @@ pub(super) fn fetch(
         crate::nccl::bootstrap::SECRET_VAR,
         crate::nccl::bootstrap::SECRET_FILE_VAR,
     );
-    w.send(&hello(rank, secret.is_some(), &client_nonce))
-        .map_err(|e| io_retry("sending the hello", &e))?;
+    let hello = hello(rank, secret.is_some());
+    let mut handshake = match secret {
+        Some(s) => {
+            let mut h = Handshake::initiator(&prologue(&hello), &psk(s))
+                .map_err(|e| fail(format!("cannot start the handshake: {e}")))?;
+            let first = h
+                .write()
+                .map_err(|e| fail(format!("cannot start the handshake: {e}")))?;
+            w.send(&[hello.as_slice(), &first].concat())
+                .map_err(|e| io_retry("sending the hello", &e))?;
+            Some(h)
+        }
+        None => {
+            w.send(&hello).map_err(|e| io_retry("sending the hello", &e))?;
+            None
+        }
+    };
     let mut head = [0u8; 9];
     w.recv(&mut head)
         .map_err(|e| io_retry("waiting for rank 0's answer", &e))?;
@@ -409,9 +446,9 @@ pub(super) fn fetch(
         )));
     }
     let mut status = head[8];
-    let mut transcript: Option<Transcript<'_>> = None;
+    let mut session: Option<Session> = None;
     loop {
-        match (status, secret, &transcript) {
+        match (status, secret, &session) {
             (BUSY, ..) => {
                 let why = read_text(w)?;
                 return Err(Attempt::Retry(format!("rank 0's server was busy: {why}")));
@@ -420,7 +457,7 @@ pub(super) fn fetch(
                 let why = read_text(w)?;
                 return Err(fail(format!("refused: {why}")));
             }
-            (AUTH_REFUSED, None, _) | (CHALLENGE, None, _) => {
+            (AUTH_REFUSED, None, _) | (HANDSHAKE, None, _) => {
                 read_text(w)?;
                 return Err(auth(format!(
                     "rank 0 requires the job's shared secret and this rank holds none: set {set} or {file} \
@@ -428,17 +465,25 @@ pub(super) fn fetch(
                 )));
             }
             (AUTH_REFUSED, Some(_), None) => {
-                read_text(w)?;
-                return Err(auth(format!(
-                    "this rank holds a shared secret and rank 0 none: set the same {set} or {file} on rank 0, \
-                     or on no rank"
-                )));
+                let why = read_text(w)?;
+                let detail = if why.contains("rank 0 none") {
+                    format!(
+                        "this rank holds a shared secret and rank 0 none: set the same {set} or {file} on rank \
+                         0, or on no rank"
+                    )
+                } else {
+                    format!(
+                        "rank 0 rejected this rank's handshake: the ranks hold different secrets; set the same \
+                         {set} or {file} on every rank"
+                    )
+                };
+                return Err(auth(detail));
             }
             (AUTH_REFUSED, Some(_), Some(_)) => {
                 read_text(w)?;
                 return Err(auth(format!(
-                    "rank 0 rejected this rank's proof: the ranks hold different secrets; set the same {set} \
-                     or {file} on every rank"
+                    "rank 0 rejected this rank's confirmation: the ranks hold different secrets; set the same \
+                     {set} or {file} on every rank"
                 )));
             }
             (ID, None, _) => {
@@ -453,50 +498,47 @@ pub(super) fn fetch(
                      something else answering at this port?)"
                 )));
             }
-            (ID, Some(_), Some(t)) => {
+            (ID, Some(_), Some(s)) => {
                 let mut sealed = [0u8; SEALED];
                 w.recv(&mut sealed).map_err(|e| io_retry("reading the id", &e))?;
-                let Some(id) = t.open(&sealed) else {
+                let mut id = [0u8; UniqueId::BYTES];
+                if !s.open(0, &sealed, &mut id) {
                     return Err(auth(
                         "the id failed its authentication check: it was altered on the way, or the server is \
                          not rank 0"
                             .into(),
                     ));
-                };
+                }
                 return UniqueId::from_bytes(&id).map_err(Attempt::Failed);
             }
-            (CHALLENGE, Some(s), None) => {
-                let mut challenge = [0u8; NONCE + MAC];
-                w.recv(&mut challenge)
-                    .map_err(|e| io_retry("reading rank 0's challenge", &e))?;
-                let mut server_nonce = [0u8; NONCE];
-                server_nonce.copy_from_slice(&challenge[..NONCE]);
-                let t = Transcript {
-                    secret: s,
-                    rank,
-                    client_nonce,
-                    server_nonce,
+            (HANDSHAKE, Some(_), None) => {
+                let mut second = [0u8; MESSAGE];
+                w.recv(&mut second)
+                    .map_err(|e| io_retry("reading rank 0's handshake", &e))?;
+                let Some(mut h) = handshake.take() else {
+                    return Err(fail(
+                        "rank 0 sent a second handshake: not the handoff bootstrap protocol".into(),
+                    ));
                 };
-                // The proof is sent even when the server's fails, so that rank 0 reports the
-                // mismatch too; it is worthless anywhere but in this exchange.
-                w.send(&t.client_proof())
-                    .map_err(|e| io_retry("sending this rank's proof", &e))?;
-                if !t.is_server_proof(&challenge[NONCE..]) {
+                if !h.read(&second) {
                     return Err(auth(format!(
                         "rank 0 did not prove it holds this rank's secret: the ranks hold different secrets \
                          (set the same {set} or {file} on every rank), or something other than rank 0 \
                          answers at this port"
                     )));
                 }
-                transcript = Some(t);
+                let s = h.finish().map_err(fail)?;
+                w.send(&s.confirmation())
+                    .map_err(|e| io_retry("sending this rank's confirmation", &e))?;
+                session = Some(s);
                 let mut next = [0u8; 1];
                 w.recv(&mut next)
                     .map_err(|e| io_retry("waiting for the id", &e))?;
                 status = next[0];
             }
-            (CHALLENGE, Some(_), Some(_)) => {
+            (HANDSHAKE, Some(_), Some(_)) => {
                 return Err(fail(
-                    "rank 0 sent a second challenge: not the handoff bootstrap protocol".into(),
+                    "rank 0 sent a second handshake: not the handoff bootstrap protocol".into(),
                 ));
             }
             (other, ..) => {
@@ -591,17 +633,17 @@ mod tests {
             prop_oneof![8 => Just(PROTOCOL_VERSION), 1 => Just(1u8), 1 => any::<u8>()],
             prop_oneof![4 => Just(0u8), 4 => Just(FLAG_SECRET), 1 => any::<u8>()],
             prop_oneof![4 => 0u32..6, 1 => any::<u32>()],
-            any::<[u8; NONCE]>(),
+            any::<[u8; MESSAGE]>(),
             proptest::collection::vec(any::<u8>(), 0..80),
             any::<proptest::sample::Index>(),
         )
-            .prop_map(|(magic, zero, version, flags, rank, nonce, tail, cut)| {
+            .prop_map(|(magic, zero, version, flags, rank, first, tail, cut)| {
                 let mut b = magic.to_vec();
                 b.push(zero);
                 b.push(version);
                 b.push(flags);
                 b.extend_from_slice(&rank.to_be_bytes());
-                b.extend_from_slice(&nonce);
+                b.extend_from_slice(&first);
                 b.extend_from_slice(&tail);
                 let cut = cut.index(b.len() + 1);
                 b.truncate(cut.max(1));
@@ -619,7 +661,7 @@ mod tests {
     /// What the server must do with `input` when it holds no secret: serve exactly a
     /// well-formed hello claiming an unserved rank in range without the secret flag.
     fn plain_hello_rank(input: &[u8], world: u32, served: &BTreeSet<u32>) -> Option<u32> {
-        if input.len() < 8 + HELLO_REST || input[..8] != header() || input[8] != 0 {
+        if input.len() < HELLO || input[..8] != header() || input[8] != 0 {
             return None;
         }
         let rank = u32::from_be_bytes(input[9..13].try_into().unwrap());
@@ -646,10 +688,7 @@ mod tests {
                     let before = ranks.0.borrow().clone();
                     let expect = plain_hello_rank(&input, 4, &before);
                     let mut w = Mem::new(input);
-                    let outcome = serve(&mut w, &side, &ranks, |n| {
-                        n.fill(9);
-                        Ok(())
-                    });
+                    let outcome = serve(&mut w, &side, &ranks);
                     let kind = format!("{outcome:?}");
                     let kind = kind.split('(').take(2).collect::<Vec<_>>().join("(");
                     *seen.borrow_mut().entry(kind).or_default() += 1;
@@ -673,7 +712,7 @@ mod tests {
                     }
                     if let Outcome::Refused(_) = outcome {
                         // A refusal ends what was sent: status, length, that many bytes.
-                        let start = if w.out[8] == CHALLENGE { 9 + NONCE + MAC } else { 8 };
+                        let start = if w.out[8] == HANDSHAKE { 9 + MESSAGE } else { 8 };
                         prop_assert!(matches!(w.out[start], REFUSED | AUTH_REFUSED));
                         let len = u16::from_be_bytes([w.out[start + 1], w.out[start + 2]]) as usize;
                         prop_assert_eq!(w.out.len(), start + 3 + len);
@@ -725,7 +764,7 @@ mod tests {
                 b.push(status);
                 b.extend_from_slice(&body);
                 if let Some(s) = second {
-                    b.truncate(9 + NONCE + MAC);
+                    b.truncate(9 + MESSAGE);
                     b.push(s);
                     b.extend_from_slice(&more);
                 }
@@ -752,7 +791,7 @@ mod tests {
                     let plain_id =
                         reply.len() >= 9 + UniqueId::BYTES && reply[..8] == header() && reply[8] == ID;
                     let mut w = Mem::new(reply);
-                    let r = fetch(&mut w, "a:1", 2, with_secret.then_some(&secret), [3; NONCE]);
+                    let r = fetch(&mut w, "a:1", 2, with_secret.then_some(&secret));
                     let kind = match &r {
                         Ok(_) => "id".to_string(),
                         Err(Attempt::Retry(why)) => format!("retry: {}", why.split(':').next().unwrap_or("")),
@@ -777,8 +816,10 @@ mod tests {
                             prop_assert!(typed, "{e:?}");
                         }
                     }
-                    // The hello went out, and nothing after it but possibly a 32-byte proof.
-                    prop_assert!(w.out.len() == 8 + HELLO_REST || w.out.len() == 8 + HELLO_REST + MAC);
+                    // The hello went out (with the first Noise message under a secret), and nothing
+                    // after it: made-up bytes never pass as rank 0's handshake.
+                    let hello = HELLO + if with_secret { MESSAGE } else { 0 };
+                    prop_assert_eq!(w.out.len(), hello);
                     Ok(())
                 })
                 .unwrap();
@@ -798,7 +839,7 @@ mod tests {
             if with_secret {
                 expected.extend([
                     "authentication failed: rank did not prove",
-                    "retry: reading rank 0's challenge",
+                    "retry: reading rank 0's handshake",
                 ]);
             } else {
                 expected.push("id");
@@ -814,64 +855,101 @@ mod tests {
         assert_eq!(ran.get(), 2 * CASES);
     }
 
-    /// Both halves against each other, through memory: the id arrives with and without a
-    /// secret, and mismatched secrets fail on both sides with the side that lacks one named.
+    /// One end of an in-memory duplex: what it sends the other end receives; a receive with
+    /// nothing for two seconds, or after the other end is gone, is the end of the stream.
+    struct Pipe {
+        rx: std::sync::mpsc::Receiver<Vec<u8>>,
+        tx: std::sync::mpsc::Sender<Vec<u8>>,
+        buf: Vec<u8>,
+        sent: Vec<u8>,
+    }
+
+    fn pipes() -> (Pipe, Pipe) {
+        let (a_tx, b_rx) = std::sync::mpsc::channel();
+        let (b_tx, a_rx) = std::sync::mpsc::channel();
+        let end = |rx, tx| Pipe {
+            rx,
+            tx,
+            buf: Vec::new(),
+            sent: Vec::new(),
+        };
+        (end(a_rx, a_tx), end(b_rx, b_tx))
+    }
+
+    impl Wire for Pipe {
+        fn recv(&mut self, buf: &mut [u8]) -> io::Result<()> {
+            while self.buf.len() < buf.len() {
+                match self.rx.recv_timeout(std::time::Duration::from_secs(2)) {
+                    Ok(b) => self.buf.extend_from_slice(&b),
+                    Err(_) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                }
+            }
+            buf.copy_from_slice(&self.buf[..buf.len()]);
+            self.buf.drain(..buf.len());
+            Ok(())
+        }
+        fn send(&mut self, buf: &[u8]) -> io::Result<()> {
+            self.sent.extend_from_slice(buf);
+            let _ = self.tx.send(buf.to_vec());
+            Ok(())
+        }
+    }
+
+    /// One exchange between the two halves over a [`Pipe`]: the server's outcome and bytes, the
+    /// client's result and bytes.
+    fn exchange(
+        server_secret: Option<Secret>,
+        client_secret: Option<Secret>,
+    ) -> (Outcome, Vec<u8>, Result<UniqueId, Attempt>, Vec<u8>) {
+        let (mut s, mut c) = pipes();
+        let server = std::thread::spawn(move || {
+            let id = id();
+            let side = ServerSide {
+                id: &id,
+                world: 3,
+                secret: server_secret.as_ref(),
+            };
+            let outcome = serve(&mut s, &side, &Set::default());
+            (outcome, std::mem::take(&mut s.sent))
+        });
+        let r = fetch(&mut c, "a:1", 1, client_secret.as_ref());
+        drop(c.tx);
+        let (outcome, server_bytes) = server.join().unwrap();
+        (outcome, server_bytes, r, c.sent)
+    }
+
+    /// Both halves against each other: the id arrives with and without a secret, and
+    /// mismatched secrets fail on both sides with the side that lacks one named.
     #[test]
     fn both_halves_agree_and_mismatched_secrets_fail_on_both_sides() {
         let id = id();
         let (a, b) = (secret(), Secret::new([1u8; 20]).unwrap());
-        let cases: [(Option<&Secret>, Option<&Secret>); 5] = [
+        let cases = [
             (None, None),
-            (Some(&a), Some(&a)),
-            (Some(&a), None),
-            (None, Some(&a)),
-            (Some(&a), Some(&b)),
+            (Some(a.clone()), Some(a.clone())),
+            (Some(a.clone()), None),
+            (None, Some(a.clone())),
+            (Some(a.clone()), Some(b)),
         ];
         for (server_secret, client_secret) in cases {
-            // Run the client against a recording of what the server answered, step by step:
-            // each side is deterministic given the other's bytes.
-            let ranks = Set::default();
-            let side = ServerSide {
-                id: &id,
-                world: 3,
-                secret: server_secret,
-            };
-            let client_nonce = [4u8; NONCE];
-            let hello = hello(1, client_secret.is_some(), &client_nonce);
-            // First pass: the server's answer to the hello alone.
-            let mut w = Mem::new(hello.clone());
-            let first = serve(&mut w, &side, &ranks, |n| {
-                n.fill(6);
-                Ok(())
-            });
-            let server_first = w.out.clone();
-            // The client's reply to that.
-            let mut c = Mem::new(server_first.clone());
-            let r1 = fetch(&mut c, "a:1", 1, client_secret, client_nonce);
-            let client_bytes = c.out.clone();
-            // Second pass: the server given the client's whole output.
-            let ranks = Set::default();
-            let mut w = Mem::new(client_bytes);
-            let outcome = serve(&mut w, &side, &ranks, |n| {
-                n.fill(6);
-                Ok(())
-            });
-            let mut c = Mem::new(w.out.clone());
-            let r = fetch(&mut c, "a:1", 1, client_secret, client_nonce);
-            match (server_secret, client_secret) {
+            let (outcome, server_bytes, r, client_bytes) =
+                exchange(server_secret.clone(), client_secret.clone());
+            match (&server_secret, &client_secret) {
                 (None, None) => {
-                    assert_eq!(first, Outcome::Served(1));
+                    assert_eq!(outcome, Outcome::Served(1));
                     assert_eq!(r.unwrap(), id);
-                    assert_eq!(r1.unwrap(), id);
                 }
                 (Some(x), Some(y)) if x == y => {
                     assert_eq!(outcome, Outcome::Served(1));
                     assert_eq!(r.unwrap(), id);
                     assert!(
-                        !contains(&w.out, id.as_bytes()),
+                        !contains(&server_bytes, id.as_bytes()),
                         "the id crosses the wire encrypted"
                     );
-                    assert!(!contains(&w.out, b"0123456789abcdef") && !contains(&c.out, b"0123456789abcdef"));
+                    assert!(
+                        !contains(&server_bytes, b"0123456789abcdef")
+                            && !contains(&client_bytes, b"0123456789abcdef")
+                    );
                 }
                 (s, c_s) => {
                     let expect = match (s, c_s) {
@@ -892,9 +970,89 @@ mod tests {
                         detail.contains(says) && detail.contains("HANDOFF_SECRET"),
                         "{detail}"
                     );
-                    assert!(!contains(&w.out, id.as_bytes()));
+                    assert!(!contains(&server_bytes, id.as_bytes()));
                 }
             }
+        }
+    }
+
+    /// What a server under `secret` does with `client_bytes`: its outcome, its bytes, whether
+    /// it claimed a rank.
+    fn replayed(client_bytes: Vec<u8>) -> (Outcome, Vec<u8>, bool) {
+        let (id, secret) = (id(), secret());
+        let side = ServerSide {
+            id: &id,
+            world: 3,
+            secret: Some(&secret),
+        };
+        let ranks = Set::default();
+        let mut w = Mem::new(client_bytes);
+        let outcome = serve(&mut w, &side, &ranks);
+        let claimed = !ranks.0.borrow().is_empty();
+        (outcome, w.out, claimed)
+    }
+
+    /// The hostile clients of a captured honest exchange: its whole replay, its first message
+    /// reflected as the server's or the server's reflected as the client's, a flipped flag or
+    /// rank in the clear hello, a flipped bit of the first message or of the confirmation. Each
+    /// is refused, sees nothing of the id, and claims no rank.
+    #[test]
+    fn replayed_reflected_or_flipped_exchanges_are_refused() {
+        let (outcome, server_bytes, r, client_bytes) = exchange(Some(secret()), Some(secret()));
+        assert_eq!(outcome, Outcome::Served(1));
+        assert_eq!(r.unwrap(), id());
+        assert_eq!(client_bytes.len(), HELLO + MESSAGE + TAG);
+        let first = &client_bytes[..HELLO + MESSAGE];
+        let second = &server_bytes[9..9 + MESSAGE];
+        let flip = |at: usize, bit: u8| {
+            let mut b = client_bytes.clone();
+            b[at] ^= bit;
+            b
+        };
+        let cases: Vec<(&str, Vec<u8>, Refusal)> = vec![
+            (
+                "the whole exchange replayed",
+                client_bytes.clone(),
+                Refusal::WrongProof,
+            ),
+            (
+                "the first message replayed, then its own confirmation reflected",
+                [first, &server_bytes[server_bytes.len() - TAG..]].concat(),
+                Refusal::WrongProof,
+            ),
+            (
+                "the server's message reflected as the client's",
+                [&client_bytes[..HELLO], second, &[0; TAG]].concat(),
+                Refusal::WrongProof,
+            ),
+            (
+                "the secret flag flipped",
+                flip(8, FLAG_SECRET),
+                Refusal::ClientLacksSecret,
+            ),
+            ("the rank flipped (1 to 2)", flip(12, 3), Refusal::WrongProof),
+            (
+                "a bit of the first message flipped",
+                flip(HELLO + 40, 1),
+                Refusal::WrongProof,
+            ),
+            (
+                "a bit of the confirmation flipped",
+                flip(HELLO + MESSAGE + 3, 1),
+                Refusal::WrongProof,
+            ),
+        ];
+        for (what, bytes, expect) in cases {
+            let (outcome, out, claimed) = replayed(bytes);
+            println!("bootstrap hostile client, {what}: {outcome:?}");
+            assert_eq!(outcome, Outcome::Refused(expect), "{what}");
+            assert!(!claimed, "{what}: a rank was claimed");
+            assert!(!contains(&out, id().as_bytes()), "{what}");
+            // Nothing the server sent opens as the id under the honest client's session.
+            assert!(
+                !out.ends_with(&server_bytes[server_bytes.len() - SEALED..]),
+                "{what}"
+            );
         }
     }
 }

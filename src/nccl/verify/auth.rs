@@ -1,36 +1,42 @@
-//! The verification channel's handshake: two ranks prove to each other, with fresh nonces both
-//! ways, that they hold the job's shared secret (when one is set) and both channel tokens of
-//! their cards (which travel only through NCCL's all-gather, never on this connection), and
-//! derive the keys that authenticate every later frame (see [`crate::nccl::verify::channel`]).
+//! The verification channel's handshake: two ranks prove to each other that they hold the job's
+//! shared secret (when one is set) and both channel tokens of their cards (which travel only
+//! through NCCL's all-gather, never on this connection), by a Noise handshake keyed by them
+//! (see [`crate::nccl::bootstrap::noise`]), whose session then seals every later record (see
+//! [`crate::nccl::verify::channel`]).
 //!
-//! Client `c` (the higher rank) to server `s`:
-//! 1. `c → s` hello: magic, ranks `c` and `s`, world, whether `c` has a secret, nonce `n_c`;
-//! 2. `s → c` reply: magic, status, nonce `n_s`, `HMAC(K, "server" ‖ transcript)`;
-//! 3. `c → s` `HMAC(K, "client" ‖ transcript)`;
-//! 4. `s → c` an acknowledgement.
+//! Client `c` (the higher rank) to server `s`, version 2:
+//! 1. `c → s` hello: magic, ranks `c` and `s`, world, whether `c` has a secret (the Noise
+//!    prologue), then the first Noise message;
+//! 2. `s → c` reply: magic, status, then the second Noise message (zeros unless the status is
+//!    0);
+//! 3. `c → s` the client's confirmation; 4. `s → c` the server's.
 //!
-//! `K = HMAC(secret or a fixed label, T_s ‖ T_c)`, the transcript is both tokens, the ranks,
-//! the world, the flags and both nonces: neither proof can be replayed (fresh nonces),
-//! reflected (distinct labels) or made without `K`. Frame keys are `HMAC(K, "c2s"/"s2c" ‖
-//! transcript)`. Every read and write has the caller's overall deadline; the server's, also
+//! The pre-shared key is derived from the secret (or its absence) and both tokens; the
+//! prologue binds the ranks, the world and the flags. A server reads the magic first: a client
+//! of version 1 is answered in version 1's layout with a refusal, and the server's error names
+//! both versions. Every read and write has the caller's overall deadline; the server's, also
 //! [`HANDSHAKE_WAIT`] from the connection (an honest client answers at once), so that
 //! connections that say nothing hold a listener's handshake slots only that long.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::time::Instant;
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use crate::nccl::bootstrap::noise::{self, Handshake, MESSAGE, Session, TAG};
 
-pub(crate) type HmacSha256 = Hmac<Sha256>;
-
-const HELLO_MAGIC: u64 = 0x4844_4f46_4656_4331; // "HDOFFVC1"
-const REPLY_MAGIC: u64 = 0x4844_4f46_4656_5331; // "HDOFFVS1"
-const ACK: u64 = 0x4844_4f46_464f_4b31; // "HDOFFOK1"
-const HELLO_BYTES: usize = 8 + 16 + 32;
-const REPLY_BYTES: usize = 8 + 8 + 32 + 32;
-const NO_SECRET: &[u8] = b"handoff verification channel: no shared secret";
+const HELLO_MAGIC: u64 = 0x4844_4f46_4656_4332; // "HDOFFVC2"
+const REPLY_MAGIC: u64 = 0x4844_4f46_4656_5332; // "HDOFFVS2"
+/// Version 1's magic numbers, to tell a rank of that version what this one speaks.
+const HELLO_MAGIC_V1: u64 = 0x4844_4f46_4656_4331; // "HDOFFVC1"
+const REPLY_MAGIC_V1: u64 = 0x4844_4f46_4656_5331; // "HDOFFVS1"
+/// The clear part of the hello: magic, four words. The Noise prologue.
+const HELLO_CLEAR: usize = 8 + 16;
+const HELLO_BYTES: usize = HELLO_CLEAR + MESSAGE;
+const REPLY_BYTES: usize = 8 + 8 + MESSAGE;
+/// A version 1 client's hello and the reply it waits for.
+const HELLO_BYTES_V1: usize = 8 + 16 + 32;
+const REPLY_BYTES_V1: usize = 8 + 8 + 32 + 32;
 
 /// How long a server gives a client for the whole handshake (within the overall deadline).
 pub(crate) const HANDSHAKE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -38,6 +44,10 @@ pub(crate) const HANDSHAKE_WAIT: std::time::Duration = std::time::Duration::from
 const OK: u32 = 0;
 const NOT_EXPECTED: u32 = 1;
 const SECRET_DIFFERS: u32 = 2;
+/// The client's first message did not authenticate: another secret or tokens.
+const NOT_PROVEN: u32 = 3;
+/// The client speaks another version (sent in version 1's layout).
+const OTHER_VERSION: u32 = 4;
 
 /// The job's shared secret, as the bootstrap reads it ([`crate::nccl::bootstrap::Secret::from_env`]:
 /// `HANDOFF_SECRET`, or the owner-only file `HANDOFF_SECRET_FILE` names), so that one setting
@@ -72,59 +82,30 @@ pub(crate) struct Pair {
     pub(crate) client_token: u128,
 }
 
-/// The keys of an authenticated connection: one per direction.
-pub(crate) struct Keys {
-    pub(crate) send: HmacSha256,
-    pub(crate) recv: HmacSha256,
+/// The session of an authenticated connection, shared by its sending and receiving halves.
+pub(crate) type Keys = Arc<Session>;
+
+/// The clear hello: magic, client, server, world, flags (little-endian words).
+fn clear_hello(c: usize, s: usize, world: usize, flags: u32) -> [u8; HELLO_CLEAR] {
+    let mut h = [0u8; HELLO_CLEAR];
+    h[..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    for (i, w) in [c as u32, s as u32, world as u32, flags].into_iter().enumerate() {
+        h[8 + 4 * i..12 + 4 * i].copy_from_slice(&w.to_le_bytes());
+    }
+    h
 }
 
-fn mac(key: &[u8], parts: &[&[u8]]) -> HmacSha256 {
-    let mut m = HmacSha256::new_from_slice(key).expect("HMAC takes keys of any length");
-    for p in parts {
-        m.update(p);
-    }
-    m
+fn prologue(clear: &[u8]) -> Vec<u8> {
+    [b"handoff verification channel 2\0".as_slice(), clear].concat()
 }
 
-struct Transcript {
-    key: [u8; 32],
-    bytes: Vec<u8>,
-}
-
-impl Transcript {
-    fn new(pair: Pair, secret: Option<&[u8]>, flags: u32, n_c: &[u8; 32], n_s: &[u8; 32]) -> Transcript {
-        let (st, ct) = (pair.server_token.to_le_bytes(), pair.client_token.to_le_bytes());
-        let key = mac(secret.unwrap_or(NO_SECRET), &[&st, &ct])
-            .finalize()
-            .into_bytes()
-            .into();
-        let mut bytes = Vec::with_capacity(120);
-        for w in [pair.server as u32, pair.client as u32, pair.world as u32, flags] {
-            bytes.extend_from_slice(&w.to_le_bytes());
-        }
-        bytes.extend_from_slice(&st);
-        bytes.extend_from_slice(&ct);
-        bytes.extend_from_slice(n_c);
-        bytes.extend_from_slice(n_s);
-        Transcript { key, bytes }
-    }
-
-    fn proof(&self, label: &[u8]) -> HmacSha256 {
-        mac(&self.key, &[label, &self.bytes])
-    }
-
-    fn keys(&self, server: bool) -> Keys {
-        let key = |label: &[u8]| {
-            let k: [u8; 32] = self.proof(label).finalize().into_bytes().into();
-            mac(&k, &[])
-        };
-        let (c2s, s2c) = (key(b"c2s"), key(b"s2c"));
-        if server {
-            Keys { send: s2c, recv: c2s }
-        } else {
-            Keys { send: c2s, recv: s2c }
-        }
-    }
+/// The pre-shared key of a connection: the secret, if any, and both tokens.
+fn psk(pair: Pair, secret: Option<&[u8]>) -> [u8; 32] {
+    noise::psk(
+        "verification channel",
+        secret,
+        &[&pair.server_token.to_le_bytes(), &pair.client_token.to_le_bytes()],
+    )
 }
 
 fn remaining(deadline: Instant) -> std::io::Result<std::time::Duration> {
@@ -191,22 +172,20 @@ pub(crate) fn connect(
     let mut stream = TcpStream::connect_timeout(&addr, remaining(deadline).map_err(io("connecting"))?)
         .map_err(io("connecting"))?;
     stream.set_nodelay(true).map_err(io("setting TCP_NODELAY"))?;
-    let n_c = random::<32>()?;
     let flags = u32::from(secret.is_some());
-    let mut hello = Vec::with_capacity(HELLO_BYTES);
-    hello.extend_from_slice(&HELLO_MAGIC.to_le_bytes());
-    for w in [c as u32, s as u32, pair.world as u32, flags] {
-        hello.extend_from_slice(&w.to_le_bytes());
-    }
-    hello.extend_from_slice(&n_c);
+    let clear = clear_hello(c, s, pair.world, flags);
+    let mut handshake = Handshake::initiator(&prologue(&clear), &psk(pair, secret))?;
+    let hello = [clear.as_slice(), &handshake.write()?].concat();
     write_by(&mut stream, &hello, deadline).map_err(io("sending the hello"))?;
     let mut reply = [0u8; REPLY_BYTES];
     read_by(&mut stream, &mut reply, deadline).map_err(io(
-        "reading the reply (the listener closed or did not answer: is it rank {s} of this communicator?)",
+        "reading the reply (the listener closed or did not answer: is it rank {s} of this communicator, \
+         with the same handoff version?)",
     ))?;
     if u64_at(&reply, 0) != REPLY_MAGIC {
         return Err(format!(
-            "rank {c}'s verification channel to rank {s} at {addr}: the listener is not a handoff rank"
+            "rank {c}'s verification channel to rank {s} at {addr}: the listener is not a handoff rank \
+             of this version (verification channel 2)"
         ));
     }
     match u32_at(&reply, 8) {
@@ -219,6 +198,7 @@ pub(crate) fn connect(
                 if flags == 1 { "has one" } else { "has none" }
             ));
         }
+        NOT_PROVEN => return Err(not_proven(addr, pair, secret)),
         code => {
             return Err(format!(
                 "rank {s} at {addr} refused rank {c}'s verification channel (code {code}): it does \
@@ -226,29 +206,33 @@ pub(crate) fn connect(
             ));
         }
     }
-    let n_s: [u8; 32] = reply[16..48].try_into().expect("32 bytes");
-    let t = Transcript::new(pair, secret, flags, &n_c, &n_s);
-    if t.proof(b"server").verify_slice(&reply[48..80]).is_err() {
-        return Err(format!(
-            "rank {s} at {addr} could not prove it holds this job's {}: refused (a process that \
-             is not rank {s}, or ranks with different HANDOFF_SECRET)",
-            if secret.is_some() {
-                "shared secret and channel tokens"
-            } else {
-                "channel tokens"
-            }
-        ));
+    let second: &[u8; MESSAGE] = reply[16..].try_into().expect("a Noise message");
+    if !handshake.read(second) {
+        return Err(not_proven(addr, pair, secret));
     }
-    let proof = t.proof(b"client").finalize().into_bytes();
-    write_by(&mut stream, &proof, deadline).map_err(io("sending the proof"))?;
-    let mut ack = [0u8; 8];
-    read_by(&mut stream, &mut ack, deadline).map_err(io(
-        "reading the acknowledgement (rank {s} refused this rank's proof: do the ranks have the same HANDOFF_SECRET?)",
+    let session = handshake.finish()?;
+    write_by(&mut stream, &session.confirmation(), deadline).map_err(io("sending the confirmation"))?;
+    let mut confirmation = [0u8; TAG];
+    read_by(&mut stream, &mut confirmation, deadline).map_err(io(
+        "reading the confirmation (rank {s} refused this rank's: do the ranks have the same HANDOFF_SECRET?)",
     ))?;
-    if u64_at(&ack, 0) != ACK {
-        return Err(format!("rank {s} at {addr} did not acknowledge rank {c}'s proof"));
+    if !session.confirms(&confirmation) {
+        return Err(format!("rank {s} at {addr} did not confirm rank {c}'s handshake"));
     }
-    Ok((stream, t.keys(false)))
+    Ok((stream, Arc::new(session)))
+}
+
+fn not_proven(addr: SocketAddr, pair: Pair, secret: Option<&[u8]>) -> String {
+    let s = pair.server;
+    format!(
+        "rank {s} at {addr} and this rank could not prove to each other that they hold this job's {}: \
+         refused (a process that is not rank {s}, or ranks with different HANDOFF_SECRET)",
+        if secret.is_some() {
+            "shared secret and channel tokens"
+        } else {
+            "channel tokens"
+        }
+    )
 }
 
 /// Serves one connection to rank `me`'s listener: the client must be a rank `c` for which
@@ -273,47 +257,70 @@ pub(crate) fn serve(
     let deadline = deadline.min(Instant::now() + HANDSHAKE_WAIT);
     stream.set_nodelay(true).map_err(fail("setting TCP_NODELAY"))?;
     let mut hello = [0u8; HELLO_BYTES];
-    read_by(&mut stream, &mut hello, deadline).map_err(fail("reading a hello"))?;
-    if u64_at(&hello, 0) != HELLO_MAGIC {
-        return Err("not a handoff hello".into());
+    read_by(&mut stream, &mut hello[..8], deadline).map_err(fail("reading a hello"))?;
+    match u64_at(&hello, 0) {
+        HELLO_MAGIC => {}
+        HELLO_MAGIC_V1 => {
+            // Version 1's client reads this as a refusal naming its code; then it is closed.
+            let _ = read_by(&mut stream, &mut [0u8; HELLO_BYTES_V1 - 8], deadline);
+            let mut reply = [0u8; REPLY_BYTES_V1];
+            reply[..8].copy_from_slice(&REPLY_MAGIC_V1.to_le_bytes());
+            reply[8..16].copy_from_slice(&u64::from(OTHER_VERSION).to_le_bytes());
+            let _ = write_by(&mut stream, &reply, deadline);
+            return Err(
+                "a hello of verification channel version 1, this rank speaks version 2: run the same handoff \
+                 version on every rank"
+                    .into(),
+            );
+        }
+        _ => return Err("not a handoff hello".into()),
     }
+    read_by(&mut stream, &mut hello[8..], deadline).map_err(fail("reading a hello"))?;
     let (c, s, w, flags) = (
         u32_at(&hello, 8) as usize,
         u32_at(&hello, 12) as usize,
         u32_at(&hello, 16) as usize,
         u32_at(&hello, 20),
     );
-    let n_c: [u8; 32] = hello[24..56].try_into().expect("32 bytes");
     let token = (s == me && w == world).then(|| token_of(c)).flatten();
+    let mut handshake = None;
     let status = match token {
         None => NOT_EXPECTED,
         Some(_) if flags != u32::from(secret.is_some()) => SECRET_DIFFERS,
-        Some(_) => OK,
+        Some(client_token) => {
+            let pair = Pair {
+                server: me,
+                client: c,
+                world,
+                server_token: my_token,
+                client_token,
+            };
+            let mut h = Handshake::responder(&prologue(&hello[..HELLO_CLEAR]), &psk(pair, secret))?;
+            let first: &[u8; MESSAGE] = hello[HELLO_CLEAR..].try_into().expect("a Noise message");
+            if h.read(first) {
+                handshake = Some(h);
+                OK
+            } else {
+                NOT_PROVEN
+            }
+        }
     };
-    let n_s = random::<32>()?;
-    let mut reply = Vec::with_capacity(REPLY_BYTES);
-    reply.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
-    reply.extend_from_slice(&u64::from(status).to_le_bytes());
-    reply.extend_from_slice(&n_s);
-    let t = token.map(|client_token| {
-        let pair = Pair {
-            server: me,
-            client: c,
-            world,
-            server_token: my_token,
-            client_token,
-        };
-        Transcript::new(pair, secret, flags, &n_c, &n_s)
-    });
-    match (&t, status) {
-        (Some(t), OK) => reply.extend_from_slice(&t.proof(b"server").finalize().into_bytes()),
-        _ => reply.extend_from_slice(&[0; 32]),
+    let mut reply = [0u8; REPLY_BYTES];
+    reply[..8].copy_from_slice(&REPLY_MAGIC.to_le_bytes());
+    reply[8..16].copy_from_slice(&u64::from(status).to_le_bytes());
+    if let Some(h) = handshake.as_mut() {
+        reply[16..].copy_from_slice(&h.write()?);
     }
     write_by(&mut stream, &reply, deadline).map_err(fail("sending the reply"))?;
-    let t = match (t, status) {
-        (Some(t), OK) => t,
+    let session = match (handshake, status) {
+        (Some(h), OK) => h.finish()?,
         (_, SECRET_DIFFERS) => {
             return Err(format!("rank {c} and this rank differ on having a shared secret"));
+        }
+        (_, NOT_PROVEN) => {
+            return Err(format!(
+                "a client claiming to be rank {c} could not prove it holds the job's secret and channel tokens"
+            ));
         }
         _ => {
             return Err(format!(
@@ -321,13 +328,16 @@ pub(crate) fn serve(
             ));
         }
     };
-    let mut proof = [0u8; 32];
-    read_by(&mut stream, &mut proof, deadline).map_err(fail("reading the client's proof"))?;
-    if t.proof(b"client").verify_slice(&proof).is_err() {
+    // The first message may be a replay: only the confirmation shows the client saw this
+    // server's ephemeral key.
+    let mut confirmation = [0u8; TAG];
+    read_by(&mut stream, &mut confirmation, deadline).map_err(fail("reading the client's confirmation"))?;
+    if !session.confirms(&confirmation) {
         return Err(format!(
-            "a client claiming to be rank {c} could not prove it holds the job's secret and channel tokens"
+            "a client claiming to be rank {c} could not prove it holds the job's secret and channel tokens \
+             (its confirmation does not authenticate: a replayed hello?)"
         ));
     }
-    write_by(&mut stream, &ACK.to_le_bytes(), deadline).map_err(fail("sending the acknowledgement"))?;
-    Ok((c, stream, t.keys(true)))
+    write_by(&mut stream, &session.confirmation(), deadline).map_err(fail("sending the confirmation"))?;
+    Ok((c, stream, Arc::new(session)))
 }

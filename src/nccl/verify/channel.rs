@@ -8,10 +8,11 @@
 //! tag with release), so [`crate::nccl::verify::verify`] reads mirrors exactly as it reads mapped files.
 //!
 //! A frame is five little-endian words (kind and four arguments). Frames travel in records:
-//! a word counting its frames (1 to [`MAX_FRAMES`]), the frames, and the first 16 bytes of an
-//! HMAC-SHA256, under the connection's key for that direction (see [`crate::nccl::verify::auth`]), of the
-//! record's sequence number, count and frames: a record that is forged, replayed, reordered,
-//! cut, of a bad count or with a frame no handoff writes ends the connection, and the peer's
+//! a u16 (little-endian) counting the bytes that follow, then the frames (1 to [`MAX_FRAMES`])
+//! sealed with ChaCha20-Poly1305 as that direction's next record of the connection's Noise
+//! session (see [`crate::nccl::verify::auth`] and [`crate::nccl::bootstrap::noise`]): encrypted,
+//! and bound to its sequence number by the nonce. A record that is forged, replayed, reordered,
+//! reflected, cut, of a bad length or with a frame no handoff writes ends the connection, and the peer's
 //! mirror reads as broken ([`crate::nccl::verify::mailbox::BROKEN`]), as does one the peer closed. A frame
 //! only ever writes the mirror's block for this rank, its collective ring and its header, at
 //! indices the mailbox reduces into the region.
@@ -43,18 +44,19 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use hmac::Mac;
-
-use crate::nccl::verify::auth::{HmacSha256, Keys};
+use crate::nccl::bootstrap::noise::TAG;
+use crate::nccl::verify::auth::Keys;
 use crate::nccl::verify::mailbox::{Note, RING, Region, Relay};
 use crate::nccl::verify::wire::Dir;
 
 const FRAME_WORDS: usize = 5;
 const FRAME_BYTES: usize = FRAME_WORDS * 8;
-const TAG_BYTES: usize = 16;
 /// The most frames one record carries.
 pub(super) const MAX_FRAMES: usize = 64;
-const RECORD_MAX: usize = 8 + MAX_FRAMES * FRAME_BYTES + TAG_BYTES;
+/// A record's length prefix.
+const LEN_BYTES: usize = 2;
+/// The most bytes of frames one record carries.
+const FRAMES_MAX: usize = MAX_FRAMES * FRAME_BYTES;
 /// How much a connection queues for a peer that does not read, beyond what its socket took.
 const QUEUE_LIMIT: usize = 64 * 1024;
 /// How much one read takes at most.
@@ -140,31 +142,8 @@ impl Note {
 
 pub(super) use crate::nccl::verify::mailbox::now_ms;
 
-/// The most records one direction of a connection carries: a record's sequence number and
-/// count share the first word its tag covers.
+/// The most records one direction of a connection carries (far below the nonces Noise allows).
 const MAX_RECORDS: u64 = 1 << 56;
-
-/// What the tag of record `seq` covers, `body` being its count word and frames: the sequence
-/// number and count in one word, then the frames. A record of one frame is then 48 bytes, which
-/// HMAC-SHA256 hashes in one block after its key's (56 bytes would take two).
-fn tagged(seq: u64, body: &[u8]) -> ([u8; 8], &[u8]) {
-    debug_assert!(seq < MAX_RECORDS && body[1..8].iter().all(|&b| b == 0));
-    ((seq << 8 | u64::from(body[0])).to_le_bytes(), &body[8..])
-}
-
-/// A MAC of record `seq`, whose count word and frames are `body`, ready to finalize or verify.
-fn mac(key: &HmacSha256, seq: u64, body: &[u8]) -> HmacSha256 {
-    let (head, frames) = tagged(seq, body);
-    let mut m = key.clone();
-    m.update(&head);
-    m.update(frames);
-    m
-}
-
-/// The tag of record `seq`, whose count word and frames are `body`.
-fn tag(key: &HmacSha256, seq: u64, body: &[u8]) -> [u8; 32] {
-    mac(key, seq, body).finalize().into_bytes().into()
-}
 
 fn word_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
@@ -251,10 +230,10 @@ fn millis(d: Duration) -> i32 {
 /// The sending half of one connection.
 struct Out {
     stream: TcpStream,
-    key: HmacSha256,
+    key: Keys,
     /// The next record's sequence number.
     seq: u64,
-    /// The next record so far: a count word, then its frames.
+    /// The next record's frames so far, in the clear.
     open: Vec<u8>,
     frames: usize,
     /// Sealed records, or the end of one, that the socket has not taken yet.
@@ -273,12 +252,12 @@ struct Out {
 }
 
 impl Out {
-    fn new(stream: TcpStream, key: HmacSha256) -> Out {
+    fn new(stream: TcpStream, key: Keys) -> Out {
         Out {
             stream,
             key,
             seq: 0,
-            open: Vec::with_capacity(RECORD_MAX),
+            open: Vec::with_capacity(FRAMES_MAX),
             frames: 0,
             queued: Vec::new(),
             must: false,
@@ -299,9 +278,6 @@ impl Out {
             Note::Checked { dir, n } => self.held[dir_code(dir) as usize] = Some(n),
             Note::CollChecked { n } => self.held[2] = Some(n),
             _ => {
-                if self.frames == 0 {
-                    self.open.extend_from_slice(&[0; 8]);
-                }
                 for w in note.encode() {
                     self.open.extend_from_slice(&w.to_le_bytes());
                 }
@@ -332,7 +308,7 @@ impl Out {
     }
 
     /// Closes the open record with the held counters (all of them, or only if [`Out::due`]):
-    /// its count, its tag, and into the queue.
+    /// its length, its frames sealed, into the queue.
     fn seal(&mut self, counters: bool) {
         let counters = counters || self.due();
         if self.frames == 0 && !(counters && self.held.iter().any(Option::is_some)) {
@@ -343,9 +319,6 @@ impl Out {
                 let Some(n) = self.held[c].take() else {
                     continue;
                 };
-                if self.frames == 0 {
-                    self.open.extend_from_slice(&[0; 8]);
-                }
                 let note = match c {
                     0 => Note::Checked { dir: Dir::Send, n },
                     1 => Note::Checked { dir: Dir::Recv, n },
@@ -362,11 +335,14 @@ impl Out {
         if self.seq >= MAX_RECORDS {
             self.dead = true;
         }
-        self.open[..8].copy_from_slice(&(self.frames as u64).to_le_bytes());
-        let t = tag(&self.key, self.seq, &self.open);
+        let sealed = self.open.len() + TAG;
+        let at = self.queued.len() + LEN_BYTES;
+        self.queued.extend_from_slice(&(sealed as u16).to_le_bytes());
+        self.queued.resize(at + sealed, 0);
+        if !self.key.seal(self.seq, &self.open, &mut self.queued[at..]) {
+            self.dead = true;
+        }
         self.seq += 1;
-        self.queued.extend_from_slice(&self.open);
-        self.queued.extend_from_slice(&t[..TAG_BYTES]);
         self.open.clear();
         self.frames = 0;
     }
@@ -399,11 +375,13 @@ impl Out {
 /// The receiving half of one connection.
 struct In {
     stream: TcpStream,
-    key: HmacSha256,
+    key: Keys,
     /// The next record's sequence number.
     seq: u64,
     buf: Box<[u8]>,
     have: usize,
+    /// A record's frames, opened.
+    plain: Box<[u8; FRAMES_MAX]>,
     /// The connection ended: closed, failed, or it carried what no honest handoff sends.
     ended: bool,
 }
@@ -456,37 +434,42 @@ impl In {
         let mut at = 0;
         loop {
             let rest = &self.buf[at..self.have];
-            if rest.len() < 8 {
+            if rest.len() < LEN_BYTES {
                 break;
             }
-            let frames = word_at(rest, 0);
-            if frames == 0 || frames > MAX_FRAMES as u64 {
+            let sealed = usize::from(u16::from_le_bytes([rest[0], rest[1]]));
+            // Checked before anything waits for it: a length no honest handoff sends.
+            let Some(body) = sealed.checked_sub(TAG) else {
+                return false;
+            };
+            if body == 0 || body > FRAMES_MAX || body % FRAME_BYTES != 0 {
                 return false;
             }
-            let body = 8 + frames as usize * FRAME_BYTES;
-            if rest.len() < body + TAG_BYTES {
+            if rest.len() < LEN_BYTES + sealed {
                 break;
             }
             if self.seq >= MAX_RECORDS {
                 return false;
             }
-            let m = mac(&self.key, self.seq, &rest[..body]);
-            // Compared in constant time: a forged tag learns nothing of the right one.
-            if m.verify_truncated_left(&rest[body..body + TAG_BYTES]).is_err() {
+            let plain = &mut self.plain[..body];
+            if !self
+                .key
+                .open(self.seq, &rest[LEN_BYTES..LEN_BYTES + sealed], plain)
+            {
                 return false;
             }
             self.seq += 1;
             let mut notes = [Note::Broken; MAX_FRAMES];
-            for (i, f) in rest[8..body].chunks_exact(FRAME_BYTES).enumerate() {
+            for (i, f) in plain.chunks_exact(FRAME_BYTES).enumerate() {
                 let Some(n) = Note::decode(std::array::from_fn(|w| word_at(f, w * 8))) else {
                     return false;
                 };
                 notes[i] = n;
             }
-            for n in &notes[..frames as usize] {
+            for n in &notes[..body / FRAME_BYTES] {
                 n.apply(mirror, me);
             }
-            at += body + TAG_BYTES;
+            at += LEN_BYTES + sealed;
         }
         self.buf.copy_within(at..self.have, 0);
         self.have -= at;
@@ -588,15 +571,16 @@ impl Channel {
             let fd = reading.as_raw_fd();
             let inn = Arc::new(Mutex::new(In {
                 stream: reading,
-                key: c.keys.recv,
+                key: c.keys.clone(),
                 seq: 0,
                 buf: vec![0; READ_BYTES].into_boxed_slice(),
                 have: 0,
+                plain: Box::new([0; FRAMES_MAX]),
                 ended: false,
             }));
             let stop = Arc::new(AtomicBool::new(false));
             let verifying = Arc::new(AtomicU64::new(0));
-            let out = Arc::new(Mutex::new(Out::new(c.stream, c.keys.send)));
+            let out = Arc::new(Mutex::new(Out::new(c.stream, c.keys)));
             let receiver = {
                 let (out, inn, verifying, mirror, stop) = (
                     out.clone(),
@@ -921,16 +905,46 @@ fn receive(link: &Link<'_>, me: usize, stop: &AtomicBool) {
     mirror.set_broken();
 }
 
-/// One record of `frames` under `key` as sequence number `seq`, as a peer sends it.
+/// One record of `frames` sealed by `key` as its sequence number `seq`, as a peer sends it.
 #[cfg(test)]
-pub(super) fn record_for_test(key: &HmacSha256, seq: u64, frames: &[[u64; FRAME_WORDS]]) -> Vec<u8> {
-    let mut r = (frames.len() as u64).to_le_bytes().to_vec();
-    for f in frames {
-        for w in f {
-            r.extend_from_slice(&w.to_le_bytes());
-        }
-    }
-    let t = tag(key, seq, &r);
-    r.extend_from_slice(&t[..TAG_BYTES]);
+pub(super) fn record_for_test(
+    key: &crate::nccl::bootstrap::noise::Session,
+    seq: u64,
+    frames: &[[u64; FRAME_WORDS]],
+) -> Vec<u8> {
+    let plain: Vec<u8> = frames.iter().flatten().flat_map(|w| w.to_le_bytes()).collect();
+    let mut r = vec![0u8; LEN_BYTES + plain.len() + TAG];
+    r[..LEN_BYTES].copy_from_slice(&((plain.len() + TAG) as u16).to_le_bytes());
+    assert!(key.seal(seq, &plain, &mut r[LEN_BYTES..]));
     r
+}
+
+/// The frames of the records at the front of `buf` that `key` opens as the peer's records
+/// `*seq` onwards (taken from `buf`); stops at the first that does not open.
+#[cfg(test)]
+pub(super) fn open_for_test(
+    key: &crate::nccl::bootstrap::noise::Session,
+    seq: &mut u64,
+    buf: &mut Vec<u8>,
+) -> Vec<Vec<[u64; FRAME_WORDS]>> {
+    let mut records = Vec::new();
+    while buf.len() >= LEN_BYTES {
+        let sealed = usize::from(u16::from_le_bytes([buf[0], buf[1]]));
+        if buf.len() < LEN_BYTES + sealed || sealed < TAG {
+            break;
+        }
+        let mut plain = vec![0u8; sealed - TAG];
+        if !key.open(*seq, &buf[LEN_BYTES..LEN_BYTES + sealed], &mut plain) {
+            break;
+        }
+        *seq += 1;
+        records.push(
+            plain
+                .chunks_exact(FRAME_BYTES)
+                .map(|f| std::array::from_fn(|w| word_at(f, w * 8)))
+                .collect(),
+        );
+        buf.drain(..LEN_BYTES + sealed);
+    }
+    records
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::nccl::verify::auth::{self, Keys, Pair};
-use crate::nccl::verify::channel::{Channel, Connection, MAX_FRAMES, now_ms, record_for_test};
+use crate::nccl::verify::channel::{Channel, Connection, MAX_FRAMES, now_ms, open_for_test, record_for_test};
 use crate::nccl::verify::mailbox::{BROKEN, Region};
 use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NONE, OpDesc, P2P};
 use crate::nccl::verify::{CollOps, Failure, Mailboxes, PairOps, verify};
@@ -307,14 +307,15 @@ fn heartbeats_and_broken_notes_cross_and_a_closed_peer_reads_as_broken() {
     assert!(t.elapsed() < 2 * SECOND);
 }
 
-/// A client that passed the handshake as rank 1, then writes `bytes` raw.
-fn raw_peer(bytes: impl FnOnce(&Keys) -> Vec<u8> + Send + 'static) -> (Mailboxes, TcpStream) {
+/// A client that passed the handshake as rank 1, then writes raw what `bytes` makes of its
+/// session and rank 0's. Returns rank 0's side, and the client's connection and session.
+fn raw_peer(bytes: impl FnOnce(&Keys, &Keys) -> Vec<u8>) -> (Mailboxes, TcpStream, Keys) {
     let (served, connected) = handshake(None, move |addr| {
-        let (mut s, keys) = auth::connect(addr, pair(), None, deadline(2_000)).unwrap();
-        s.write_all(&bytes(&keys)).unwrap();
-        s
+        auth::connect(addr, pair(), None, deadline(2_000)).unwrap()
     });
     let (_, stream, keys) = served.unwrap();
+    let (mut peer, peer_keys) = connected;
+    peer.write_all(&bytes(&peer_keys, &keys)).unwrap();
     let (channel, mirrors) = Channel::start(
         0,
         2,
@@ -330,7 +331,8 @@ fn raw_peer(bytes: impl FnOnce(&Keys) -> Vec<u8> + Send + 'static) -> (Mailboxes
     own.install_channel(channel);
     (
         Mailboxes::new(0, vec![Arc::new(own), mirrors[0].1.clone()].into()),
-        connected,
+        peer,
+        peer_keys,
     )
 }
 
@@ -347,61 +349,61 @@ fn forged_replayed_or_unknown_frames_end_the_connection() {
         .encode();
         [1, 1, index, w0, w1]
     };
-    type Bytes = Box<dyn FnOnce(&Keys) -> Vec<u8> + Send>;
+    type Bytes = Box<dyn FnOnce(&Keys, &Keys) -> Vec<u8> + Send>;
     let cases: Vec<(&str, Bytes)> = vec![
         (
             "honest",
-            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[publish(0, 4)])),
+            Box::new(move |k: &Keys, _: &Keys| record_for_test(k, 0, &[publish(0, 4)])),
         ),
         (
             "a flipped bit",
-            Box::new(move |k: &Keys| {
-                let mut f = record_for_test(&k.send, 0, &[publish(0, 4)]);
+            Box::new(move |k: &Keys, _: &Keys| {
+                let mut f = record_for_test(k, 0, &[publish(0, 4)]);
                 f[24] ^= 1;
                 f
             }),
         ),
         (
             "a replayed frame",
-            Box::new(move |k: &Keys| {
-                let f = record_for_test(&k.send, 0, &[publish(0, 4)]);
+            Box::new(move |k: &Keys, _: &Keys| {
+                let f = record_for_test(k, 0, &[publish(0, 4)]);
                 [f.clone(), f].concat()
             }),
         ),
         (
-            "the wrong key",
-            Box::new(move |k: &Keys| record_for_test(&k.recv, 0, &[publish(0, 4)])),
+            "a record of rank 0's reflected",
+            Box::new(move |_: &Keys, rank0: &Keys| record_for_test(rank0, 0, &[publish(0, 4)])),
         ),
         (
             "an unknown kind",
-            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[[99, 0, 0, 0, 0]])),
+            Box::new(move |k: &Keys, _: &Keys| record_for_test(k, 0, &[[99, 0, 0, 0, 0]])),
         ),
         (
             "a bad direction",
-            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[[1, 2, 0, 4, 7]])),
+            Box::new(move |k: &Keys, _: &Keys| record_for_test(k, 0, &[[1, 2, 0, 4, 7]])),
         ),
         (
             "entry u64::MAX",
-            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[publish(u64::MAX, 4)])),
+            Box::new(move |k: &Keys, _: &Keys| record_for_test(k, 0, &[publish(u64::MAX, 4)])),
         ),
         (
             "a record of no frames",
-            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[])),
+            Box::new(move |k: &Keys, _: &Keys| record_for_test(k, 0, &[])),
         ),
         (
             "more frames than a record holds",
-            Box::new(move |k: &Keys| {
+            Box::new(move |k: &Keys, _: &Keys| {
                 let frames: Vec<[u64; 5]> = (0..=MAX_FRAMES as u64).map(|i| publish(i, 4)).collect();
-                record_for_test(&k.send, 0, &frames)
+                record_for_test(k, 0, &frames)
             }),
         ),
         (
             "half a frame",
-            Box::new(move |k: &Keys| record_for_test(&k.send, 0, &[publish(0, 4)])[..30].to_vec()),
+            Box::new(move |k: &Keys, _: &Keys| record_for_test(k, 0, &[publish(0, 4)])[..30].to_vec()),
         ),
     ];
     for (what, bytes) in cases {
-        let (a, peer) = raw_peer(bytes);
+        let (a, peer, _) = raw_peer(bytes);
         let wanted = if what == "a replayed frame" { 2 } else { 1 };
         // The honest frame publishes a receive of 4 (the replay: then a second one, refused).
         let r = verify(
@@ -437,11 +439,11 @@ fn publish(index: u64) -> [u64; 5] {
 
 #[test]
 fn a_record_is_applied_whole_or_not_at_all() {
-    let (a, peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0), publish(1)]));
+    let (a, peer, _) = raw_peer(move |k, _| record_for_test(k, 0, &[publish(0), publish(1)]));
     assert_eq!(verify(&[ops(&a, &[4, 4], &[], 2 * SECOND)], &[]), Ok(()));
     drop(peer);
     // An honest entry and a frame no handoff writes, in one record: the entry is not applied.
-    let (a, peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0), [99, 0, 0, 0, 0]]));
+    let (a, peer, _) = raw_peer(move |k, _| record_for_test(k, 0, &[publish(0), [99, 0, 0, 0, 0]]));
     assert_eq!(
         verify(&[ops(&a, &[4], &[], 2 * SECOND)], &[]),
         Err(Failure::PeerBroken(1))
@@ -484,10 +486,10 @@ fn checked_counters_a_verification_leaves_reach_the_peer_without_another() {
 
 #[test]
 fn a_replayed_frame_is_refused_while_the_connection_stays_open() {
-    let (a, peer) = raw_peer(move |k| {
+    let (a, peer, _) = raw_peer(move |k, _| {
         [
-            record_for_test(&k.send, 0, &[publish(0)]),
-            record_for_test(&k.send, 0, &[publish(1)]),
+            record_for_test(k, 0, &[publish(0)]),
+            record_for_test(k, 0, &[publish(1)]),
         ]
         .concat()
     });
@@ -591,15 +593,14 @@ fn the_handshake_refuses_who_cannot_prove_it_is_a_rank() {
     assert!(s.err().unwrap().contains("not a handoff hello"));
     let (s, _) = handshake(None, |addr| {
         let mut t = TcpStream::connect(addr).unwrap();
-        let mut hello = 0x4844_4f46_4656_4331u64.to_le_bytes().to_vec();
+        let mut hello = 0x4844_4f46_4656_4332u64.to_le_bytes().to_vec();
         for w in [1u32, 0, 2, 0] {
             hello.extend_from_slice(&w.to_le_bytes());
         }
-        hello.extend_from_slice(&[0; 32]);
+        hello.extend_from_slice(&[0; 48]);
         t.write_all(&hello).unwrap();
-        let mut reply = [0u8; 80];
+        let mut reply = [0u8; 64];
         t.read_exact(&mut reply).unwrap();
-        t.write_all(&[0; 32]).unwrap();
         let mut rest = Vec::new();
         let _ = t.read_to_end(&mut rest);
         rest
@@ -630,16 +631,16 @@ fn a_trickling_client_is_cut_off_at_the_deadline() {
     trickle.join().unwrap();
 }
 
-/// The records `s` carries (the frames of each) until `enough` says so of those read, or
-/// `within` passes. Tags are not checked: the peer reads these records.
+/// The records `s` carries (the frames of each, opened with `keys`, the session of the side
+/// they are sent to) until `enough` says so of those read, or `within` passes.
 fn records_until(
     s: &mut TcpStream,
+    keys: &Keys,
     enough: impl Fn(&[Vec<[u64; 5]>]) -> bool,
     within: Duration,
 ) -> Vec<Vec<[u64; 5]>> {
-    let word = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
     s.set_read_timeout(Some(Duration::from_millis(5))).unwrap();
-    let (mut buf, mut records) = (Vec::new(), Vec::new());
+    let (mut buf, mut records, mut seq) = (Vec::new(), Vec::new(), 0);
     let until = Instant::now() + within;
     while !enough(&records) && Instant::now() < until {
         let mut b = [0u8; 4096];
@@ -648,19 +649,7 @@ fn records_until(
             Ok(n) => buf.extend_from_slice(&b[..n]),
             Err(_) => continue,
         }
-        while buf.len() >= 8 {
-            let frames = word(&buf, 0) as usize;
-            let len = 8 + frames * 40 + 16;
-            if buf.len() < len {
-                break;
-            }
-            records.push(
-                (0..frames)
-                    .map(|f| std::array::from_fn(|w| word(&buf, 8 + f * 40 + w * 8)))
-                    .collect(),
-            );
-            buf.drain(..len);
-        }
+        records.extend(open_for_test(keys, &mut seq, &mut buf));
     }
     records
 }
@@ -678,15 +667,20 @@ fn recvs_checked(records: &[Vec<[u64; 5]>]) -> Vec<u64> {
 #[test]
 fn a_stream_of_verifications_sends_one_record_each_and_a_counter_each_half_ring() {
     let n = crate::nccl::verify::mailbox::RING;
-    let (a, mut peer) = raw_peer(move |k| {
+    let (a, mut peer, keys) = raw_peer(move |k, _| {
         (0..n)
-            .flat_map(|i| record_for_test(&k.send, i, &[publish(i)]))
+            .flat_map(|i| record_for_test(k, i, &[publish(i)]))
             .collect()
     });
     for _ in 0..n {
         verify(&[ops(&a, &[4], &[], 2 * SECOND)], &[]).unwrap();
     }
-    let records = records_until(&mut peer, |r| recvs_checked(r).last() == Some(&n), 2 * SECOND);
+    let records = records_until(
+        &mut peer,
+        &keys,
+        |r| recvs_checked(r).last() == Some(&n),
+        2 * SECOND,
+    );
     let publishes = records.iter().flatten().filter(|f| f[0] == 1).count() as u64;
     assert_eq!(publishes, n, "{records:?}");
     assert!(
@@ -710,22 +704,22 @@ fn a_stream_of_verifications_sends_one_record_each_and_a_counter_each_half_ring(
 
 #[test]
 fn a_counter_held_back_reaches_the_peer_from_the_receiver_thread() {
-    let (a, mut peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0)]));
+    let (a, mut peer, keys) = raw_peer(move |k, _| record_for_test(k, 0, &[publish(0)]));
     verify(&[ops(&a, &[4], &[], 2 * SECOND)], &[]).unwrap();
     let t = Instant::now();
-    let records = records_until(&mut peer, |r| recvs_checked(r) == [1], 2 * SECOND);
+    let records = records_until(&mut peer, &keys, |r| recvs_checked(r) == [1], 2 * SECOND);
     assert_eq!(recvs_checked(&records), [1], "{records:?}");
     eprintln!("channel: a held counter reached the peer {:?} after", t.elapsed());
 }
 
 #[test]
 fn a_verification_that_waits_sends_the_counters_it_holds() {
-    let (a, mut peer) = raw_peer(move |k| record_for_test(&k.send, 0, &[publish(0)]));
+    let (a, mut peer, keys) = raw_peer(move |k, _| record_for_test(k, 0, &[publish(0)]));
     // The send is checked at once (its counter held back), the receive never matched: the
     // verification waits, its link corked throughout (the receiver thread sends nothing),
     // until its timeout.
     let waiting = std::thread::spawn(move || verify(&[ops(&a, &[4], &[4], 2 * SECOND)], &[]));
-    let records = records_until(&mut peer, |r| !recvs_checked(r).is_empty(), SECOND);
+    let records = records_until(&mut peer, &keys, |r| !recvs_checked(r).is_empty(), SECOND);
     assert!(
         !waiting.is_finished(),
         "the verification ended before its timeout"
