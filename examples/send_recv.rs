@@ -17,6 +17,7 @@
 //!
 //! Each rank prints its rank, process id and GPU (`shared` when ranks share GPUs).
 
+use std::process::Stdio;
 use std::time::Duration;
 
 use handoff::kernels::{self, produced_value};
@@ -54,22 +55,14 @@ fn start() -> handoff::Result<()> {
         ),
         _ => println!("send_recv: starting 2 processes (ranks 0 and 1, GPUs 0 and 1) on this machine"),
     }
-    let children = spawn_local_with(2, GpuSharing::WhenFewerGpus, |_, _| {})?;
-    let mut failed = Vec::new();
-    for (rank, mut c) in children.into_iter().enumerate() {
-        match c.wait() {
-            Ok(s) if s.success() => {}
-            _ => failed.push(rank),
-        }
-    }
-    if failed.is_empty() {
-        println!("send_recv: both ranks finished; every y was checked");
-        Ok(())
-    } else {
-        Err(handoff::Error::InvalidArgument(format!(
-            "rank(s) {failed:?} failed"
-        )))
-    }
+    // Each rank's output comes back here line by line, prefixed "[rank r] ".
+    let mut job = spawn_local_with(2, GpuSharing::WhenFewerGpus, |_, cmd| {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    })?;
+    job.prefix_output()?;
+    job.wait_timeout(Duration::from_secs(300))?.check()?;
+    println!("send_recv: both ranks finished; every y was checked");
+    Ok(())
 }
 
 fn fmt(v: &[f32]) -> String {

@@ -44,7 +44,7 @@ pub enum Error {
     },
 
     /// A CUDA runtime call returned an error.
-    #[error("{call} failed with {name} ({code}): {message}{}", cuda_hint(*.code))]
+    #[error("{call} failed with {name} ({code}){}{}", detail(.message), cuda_hint(*.code))]
     Cuda {
         /// The runtime function, e.g. `cudaMallocAsync`.
         call: &'static str,
@@ -57,7 +57,7 @@ pub enum Error {
     },
 
     /// An NCCL call returned an error.
-    #[error("{call} failed with {name} ({code}): {last_error}{}", nccl_hint(*.code))]
+    #[error("{call} failed with {name} ({code}){}{}", detail(.last_error), nccl_hint(*.code))]
     Nccl {
         /// The NCCL function, e.g. `ncclSend`.
         call: &'static str,
@@ -145,7 +145,9 @@ pub enum Error {
     /// A rank's peer broke its communicator (an error, a missed deadline, an abort) while this
     /// rank waited to verify an operation with it. This rank's communicator is aborted too.
     #[error(
-        "rank {peer}'s communicator broke (an error, a timeout or an abort there) while this rank          waited to verify an operation with it; this communicator is aborted too. Create new          communicators on every rank"
+        "rank {peer}'s communicator broke (an error, a timeout or an abort there) while this rank \
+         waited to verify an operation with it; this communicator is aborted too. Create new \
+         communicators on every rank"
     )]
     PeerBroken {
         /// The peer's rank.
@@ -162,7 +164,8 @@ pub enum Error {
 
     /// A module (PTX, cubin or fatbin) could not be loaded.
     #[error(
-        "loading the module {module} failed: {source}. Check that the PTX comes from an nvcc or NVRTC no newer than the driver, and for the devices in use"
+        "loading the module {module} failed: {source}. Check that the PTX comes from an nvcc or \
+         NVRTC no newer than the driver, and for the devices in use"
     )]
     Module {
         /// Where the module came from.
@@ -263,6 +266,175 @@ pub enum Error {
         /// Which side lacks the secret or that they differ, and what to set.
         detail: String,
     },
+
+    /// Ranks of a job that [`spawn_local`](crate::nccl::bootstrap::spawn_local) started failed:
+    /// they exited unsuccessfully, were killed by a signal, or (with `after`) were still running
+    /// at the deadline of [`LocalJob::wait_timeout`](crate::nccl::bootstrap::LocalJob::wait_timeout)
+    /// and were killed then.
+    #[error("{detail}")]
+    RanksFailed {
+        /// The ranks that failed or were killed, in rank order.
+        ranks: Vec<usize>,
+        /// How each of them ended.
+        detail: String,
+        /// The deadline that passed, when the ranks were killed for running past it.
+        after: Option<std::time::Duration>,
+    },
+}
+
+/// What kind of failure an [`Error`] is: one kind per family of variants, for a program to act
+/// on (retry, recreate the communicators, report a setup problem) without matching every
+/// variant or reading the message. As [`std::io::ErrorKind`], new kinds may be added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// A shared library (CUDA runtime, NCCL) cannot be found: [`Error::LibraryNotFound`].
+    LibraryMissing,
+    /// A shared library was found but cannot be used: [`Error::LibraryIncompatible`].
+    LibraryIncompatible,
+    /// No NVIDIA driver, or one too old for the CUDA runtime: [`Error::NoDriver`],
+    /// [`Error::DriverTooOld`].
+    Driver,
+    /// No usable GPU, or not the one asked for: [`Error::NoDevice`].
+    NoDevice,
+    /// A CUDA runtime call failed: [`Error::Cuda`].
+    Cuda,
+    /// An NCCL call failed: [`Error::Nccl`].
+    Nccl,
+    /// A cudarc call failed: `Error::Cudarc` (feature `cudarc`).
+    Cudarc,
+    /// A deadline passed: [`Error::Timeout`], [`Error::BootstrapTimeout`], and
+    /// [`Error::RanksFailed`] with `after` set.
+    Timeout,
+    /// A send and its receive, or the ranks' collectives, disagree: [`Error::Mismatch`].
+    Mismatch,
+    /// A peer's communicator broke while this rank waited for it: [`Error::PeerBroken`].
+    PeerBroken,
+    /// The communicator was aborted earlier: [`Error::CommunicatorUnusable`].
+    CommunicatorUnusable,
+    /// Setting up a communicator's verification failed: [`Error::Setup`].
+    Setup,
+    /// Exchanging the unique id failed: [`Error::Bootstrap`].
+    Bootstrap,
+    /// The unique-id exchange's shared secrets differ or one is missing:
+    /// [`Error::BootstrapAuth`].
+    Authentication,
+    /// A module could not be loaded, or lacks the kernel asked for: [`Error::Module`],
+    /// [`Error::FunctionNotFound`].
+    Module,
+    /// A launch's configuration is beyond the limits: [`Error::LaunchConfig`].
+    LaunchConfig,
+    /// An argument was rejected: [`Error::InvalidArgument`].
+    InvalidArgument,
+    /// The loaded NCCL lacks a feature: [`Error::Unsupported`].
+    Unsupported,
+    /// An operation cannot take part in a graph capture: [`Error::Capture`].
+    Capture,
+    /// Ranks of a local job failed or were killed: [`Error::RanksFailed`] without `after`.
+    RanksFailed,
+}
+
+impl Error {
+    /// The kind of failure, for a program to act on; see [`ErrorKind`].
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::LibraryNotFound { .. } => ErrorKind::LibraryMissing,
+            Error::LibraryIncompatible { .. } => ErrorKind::LibraryIncompatible,
+            Error::Cuda { .. } => ErrorKind::Cuda,
+            Error::Nccl { .. } => ErrorKind::Nccl,
+            Error::NoDevice { .. } => ErrorKind::NoDevice,
+            Error::NoDriver { .. } | Error::DriverTooOld { .. } => ErrorKind::Driver,
+            Error::Timeout { .. } | Error::BootstrapTimeout { .. } => ErrorKind::Timeout,
+            Error::CommunicatorUnusable { .. } => ErrorKind::CommunicatorUnusable,
+            Error::Mismatch { .. } => ErrorKind::Mismatch,
+            Error::PeerBroken { .. } => ErrorKind::PeerBroken,
+            Error::Setup { .. } => ErrorKind::Setup,
+            Error::Module { .. } | Error::FunctionNotFound { .. } => ErrorKind::Module,
+            Error::LaunchConfig { .. } => ErrorKind::LaunchConfig,
+            #[cfg(feature = "cudarc")]
+            Error::Cudarc { .. } => ErrorKind::Cudarc,
+            Error::Bootstrap { .. } => ErrorKind::Bootstrap,
+            Error::Capture { .. } => ErrorKind::Capture,
+            Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::Unsupported { .. } => ErrorKind::Unsupported,
+            Error::BootstrapAuth { .. } => ErrorKind::Authentication,
+            Error::RanksFailed { after: Some(_), .. } => ErrorKind::Timeout,
+            Error::RanksFailed { after: None, .. } => ErrorKind::RanksFailed,
+        }
+    }
+
+    /// Whether a deadline passed: `self.kind() == ErrorKind::Timeout`.
+    pub fn is_timeout(&self) -> bool {
+        self.kind() == ErrorKind::Timeout
+    }
+
+    /// The peer rank the error is about, where the error holds one: [`Error::PeerBroken`]'s.
+    /// `None` for every other variant (a verification timeout names its peer only in its
+    /// message).
+    pub fn peer(&self) -> Option<usize> {
+        match self {
+            Error::PeerBroken { peer } => Some(*peer),
+            _ => None,
+        }
+    }
+
+    /// The operation that failed, where the error holds it: the function called
+    /// ([`Error::Cuda`]'s and [`Error::Nccl`]'s `call`, e.g. `"ncclSend"`; `Error::Cudarc`'s),
+    /// what was waited for ([`Error::Timeout`]'s `what`), or the feature asked for
+    /// ([`Error::Unsupported`]'s). `None` for every other variant.
+    pub fn operation(&self) -> Option<&str> {
+        match self {
+            Error::Cuda { call, .. } | Error::Nccl { call, .. } => Some(call),
+            #[cfg(feature = "cudarc")]
+            Error::Cudarc { call, .. } => Some(call),
+            Error::Timeout { what, .. } => Some(what),
+            Error::Unsupported { feature, .. } => Some(feature),
+            _ => None,
+        }
+    }
+
+    /// Whether the communicator of the call that returned this error can still be used, as far
+    /// as the variant alone tells:
+    ///
+    /// - `Some(false)` for [`Error::CommunicatorUnusable`], [`Error::PeerBroken`] and
+    ///   [`Error::Timeout`]: handoff returns these only for a communicator it has aborted (or
+    ///   found aborted). Every later call on it returns [`Error::CommunicatorUnusable`]; make new
+    ///   communicators on every rank.
+    /// - `None` where it depends on the call; [`Communicator::broken_reason`] then says for
+    ///   certain. [`Error::Mismatch`] aborts the communicators when verification of a send,
+    ///   receive or collective finds it (the usual case), not when a window registration's
+    ///   exchange does; [`Error::Nccl`], [`Error::Cuda`], [`Error::Setup`], [`Error::Capture`],
+    ///   [`Error::InvalidArgument`] and [`Error::Unsupported`] abort it when they arise while an
+    ///   operation is queued or waited for after its verification (NCCL's own errors mostly do),
+    ///   not when a check refuses the call before anything reached NCCL.
+    /// - `Some(true)` for the rest (library, driver, device, module, launch, bootstrap, cudarc
+    ///   and local-job errors): they never come from, or abort, a communicator.
+    ///
+    /// [`Communicator::broken_reason`]: crate::Communicator::broken_reason
+    pub fn communicator_usable(&self) -> Option<bool> {
+        match self {
+            Error::CommunicatorUnusable { .. } | Error::PeerBroken { .. } | Error::Timeout { .. } => {
+                Some(false)
+            }
+            Error::Mismatch { .. }
+            | Error::Nccl { .. }
+            | Error::Cuda { .. }
+            | Error::Setup { .. }
+            | Error::Capture { .. }
+            | Error::InvalidArgument(_)
+            | Error::Unsupported { .. } => None,
+            _ => Some(true),
+        }
+    }
+}
+
+/// The text after a call's error name: `": {text}"`, trimmed, without a final full stop (the
+/// hint that may follow starts with one); nothing when the library gave no text.
+fn detail(text: &str) -> String {
+    match text.trim().trim_end_matches('.') {
+        "" => String::new(),
+        t => format!(": {t}"),
+    }
 }
 
 /// The crate's result type.
@@ -350,5 +522,294 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("Duplicate GPU detected"), "{s}");
+    }
+
+    /// One value of every variant, with the field values a real one has (empty texts where
+    /// a library can give none), and the kind each must map to.
+    fn every_variant() -> Vec<(Error, ErrorKind)> {
+        use std::time::Duration;
+        let s = |t: &str| t.to_string();
+        #[cfg_attr(not(feature = "cudarc"), allow(unused_mut))]
+        let mut all = vec![
+            (
+                Error::LibraryNotFound {
+                    library: "libnccl.so.2",
+                    variable: "HANDOFF_NCCL_PATH",
+                    expected: "NCCL 2.19 or newer",
+                    tried: s("libnccl.so.2 (not found)"),
+                },
+                ErrorKind::LibraryMissing,
+            ),
+            (
+                Error::LibraryIncompatible {
+                    library: "libcudart.so.13",
+                    path: s("/x/libcudart.so.13"),
+                    detail: s("cudaMallocAsync is missing"),
+                    expected: "the CUDA 13 runtime",
+                    variable: "HANDOFF_CUDART_PATH",
+                },
+                ErrorKind::LibraryIncompatible,
+            ),
+            (
+                Error::Cuda {
+                    call: "cudaMallocAsync",
+                    code: 2,
+                    name: s("cudaErrorMemoryAllocation"),
+                    message: s("out of memory"),
+                },
+                ErrorKind::Cuda,
+            ),
+            (
+                Error::Nccl {
+                    call: "ncclSend",
+                    code: 5,
+                    name: s("invalid usage"),
+                    last_error: String::new(),
+                },
+                ErrorKind::Nccl,
+            ),
+            (
+                Error::NoDevice {
+                    reason: s("0 devices"),
+                },
+                ErrorKind::NoDevice,
+            ),
+            (
+                Error::NoDriver {
+                    detail: s("libcuda.so.1 missing"),
+                },
+                ErrorKind::Driver,
+            ),
+            (
+                Error::DriverTooOld {
+                    driver: 12080,
+                    runtime: 13000,
+                },
+                ErrorKind::Driver,
+            ),
+            (
+                Error::Timeout {
+                    what: s("rank 0's wait for a stream"),
+                    after: Duration::from_secs(5),
+                },
+                ErrorKind::Timeout,
+            ),
+            (
+                Error::CommunicatorUnusable {
+                    reason: s("aborted by the program"),
+                },
+                ErrorKind::CommunicatorUnusable,
+            ),
+            (
+                Error::Mismatch {
+                    detail: s("rank 0 sends 4 f32, rank 1 receives 3 f32"),
+                },
+                ErrorKind::Mismatch,
+            ),
+            (Error::PeerBroken { peer: 1 }, ErrorKind::PeerBroken),
+            (
+                Error::Setup {
+                    detail: s("the ranks disagree on verification"),
+                },
+                ErrorKind::Setup,
+            ),
+            (
+                Error::Module {
+                    module: s("kernels.ptx"),
+                    source: Box::new(Error::Cuda {
+                        call: "cudaLibraryLoadData",
+                        code: 222,
+                        name: s("cudaErrorUnsupportedPtxVersion"),
+                        message: s("the provided PTX was compiled with an unsupported toolchain."),
+                    }),
+                },
+                ErrorKind::Module,
+            ),
+            (
+                Error::FunctionNotFound {
+                    module: s("kernels.ptx"),
+                    name: s("twice"),
+                },
+                ErrorKind::Module,
+            ),
+            (
+                Error::LaunchConfig {
+                    kernel: s("twice"),
+                    detail: s("2048 threads per block exceed 1024"),
+                },
+                ErrorKind::LaunchConfig,
+            ),
+            (
+                Error::Bootstrap {
+                    addr: s("127.0.0.1:29500"),
+                    detail: s("connection refused"),
+                },
+                ErrorKind::Bootstrap,
+            ),
+            (
+                Error::Capture {
+                    detail: s("the stream is captured elsewhere"),
+                },
+                ErrorKind::Capture,
+            ),
+            (
+                Error::InvalidArgument(s("root 3 is out of range")),
+                ErrorKind::InvalidArgument,
+            ),
+            (
+                Error::Unsupported {
+                    feature: "windows",
+                    needs: "NCCL 2.27",
+                    loaded: s("libnccl.so.2 (2.21.5)"),
+                    detail: s("ncclCommWindowRegister is missing"),
+                },
+                ErrorKind::Unsupported,
+            ),
+            (
+                Error::BootstrapTimeout {
+                    addr: s("127.0.0.1:29500"),
+                    detail: s("rank 1 never fetched the id"),
+                    after: Duration::from_secs(30),
+                },
+                ErrorKind::Timeout,
+            ),
+            (
+                Error::BootstrapAuth {
+                    addr: s("127.0.0.1:29500"),
+                    detail: s("the secrets differ"),
+                },
+                ErrorKind::Authentication,
+            ),
+            (
+                Error::RanksFailed {
+                    ranks: vec![1],
+                    detail: s("rank 1 of 2 failed: exit status: 1"),
+                    after: None,
+                },
+                ErrorKind::RanksFailed,
+            ),
+            (
+                Error::RanksFailed {
+                    ranks: vec![0, 1],
+                    detail: s("ranks 0 and 1 of 2 were still running after 5s and were killed"),
+                    after: Some(Duration::from_secs(5)),
+                },
+                ErrorKind::Timeout,
+            ),
+        ];
+        #[cfg(feature = "cudarc")]
+        all.push((
+            Error::Cudarc {
+                call: "CudaSlice::from",
+                code: 1,
+                message: s("invalid value"),
+            },
+            ErrorKind::Cudarc,
+        ));
+        all
+    }
+
+    /// Which variant `e` is: a match without a catch-all, so that a new variant fails to
+    /// compile here until [`every_variant`] has one of it.
+    fn variant_index(e: &Error) -> usize {
+        match e {
+            Error::LibraryNotFound { .. } => 0,
+            Error::LibraryIncompatible { .. } => 1,
+            Error::Cuda { .. } => 2,
+            Error::Nccl { .. } => 3,
+            Error::NoDevice { .. } => 4,
+            Error::NoDriver { .. } => 5,
+            Error::DriverTooOld { .. } => 6,
+            Error::Timeout { .. } => 7,
+            Error::CommunicatorUnusable { .. } => 8,
+            Error::Mismatch { .. } => 9,
+            Error::PeerBroken { .. } => 10,
+            Error::Setup { .. } => 11,
+            Error::Module { .. } => 12,
+            Error::FunctionNotFound { .. } => 13,
+            Error::LaunchConfig { .. } => 14,
+            Error::Bootstrap { .. } => 15,
+            Error::Capture { .. } => 16,
+            Error::InvalidArgument(_) => 17,
+            Error::Unsupported { .. } => 18,
+            Error::BootstrapTimeout { .. } => 19,
+            Error::BootstrapAuth { .. } => 20,
+            Error::RanksFailed { .. } => 21,
+            #[cfg(feature = "cudarc")]
+            Error::Cudarc { .. } => 22,
+        }
+    }
+
+    #[test]
+    fn every_variant_reads_as_clean_sentences_and_has_its_kind() {
+        let all = every_variant();
+        let covered: std::collections::BTreeSet<usize> = all.iter().map(|(e, _)| variant_index(e)).collect();
+        let variants = if cfg!(feature = "cudarc") { 23 } else { 22 };
+        assert_eq!(covered, (0..variants).collect(), "a variant has no sample");
+        for (e, kind) in &all {
+            let s = e.to_string();
+            assert_eq!(e.kind(), *kind, "{e:?}");
+            assert_eq!(e.is_timeout(), *kind == ErrorKind::Timeout, "{e:?}");
+            assert!(!s.contains("  "), "a run of spaces: {s:?}");
+            assert_eq!(s.trim(), s, "leading or trailing space: {s:?}");
+            assert!(!s.contains('\n'), "a line break: {s:?}");
+            for bad in [" . ", " ,", " :", " ;", ":.", ": .", "..", ",.", ";."] {
+                assert!(!s.contains(bad), "{bad:?} in {s:?}");
+            }
+            let last = s.chars().last().expect("not empty");
+            assert!(
+                last.is_alphanumeric() || ")\"'".contains(last),
+                "ends badly: {s:?}"
+            );
+            let first = s.chars().next().expect("not empty");
+            assert!(first.is_alphanumeric() || first == '/', "starts badly: {s:?}");
+        }
+    }
+
+    #[test]
+    fn accessors_give_what_the_variant_holds() {
+        assert_eq!(Error::PeerBroken { peer: 3 }.peer(), Some(3));
+        assert_eq!(Error::Mismatch { detail: "x".into() }.peer(), None);
+        let nccl = Error::Nccl {
+            call: "ncclAllReduce",
+            code: 6,
+            name: "remote process exited or there was a network error".into(),
+            last_error: "peer closed the connection.\n".into(),
+        };
+        assert_eq!(nccl.operation(), Some("ncclAllReduce"));
+        assert_eq!(
+            nccl.to_string(),
+            "ncclAllReduce failed with remote process exited or there was a network error (6): \
+             peer closed the connection. A remote rank failed or disconnected"
+        );
+        assert_eq!(Error::InvalidArgument("x".into()).operation(), None);
+        for (e, _) in every_variant() {
+            let usable = e.communicator_usable();
+            match e.kind() {
+                ErrorKind::CommunicatorUnusable | ErrorKind::PeerBroken => assert_eq!(usable, Some(false)),
+                ErrorKind::Mismatch | ErrorKind::Nccl | ErrorKind::Cuda => assert_eq!(usable, None),
+                ErrorKind::LibraryMissing | ErrorKind::Bootstrap | ErrorKind::RanksFailed => {
+                    assert_eq!(usable, Some(true))
+                }
+                _ => {}
+            }
+        }
+        let t = Error::Timeout {
+            what: "w".into(),
+            after: std::time::Duration::from_secs(1),
+        };
+        assert_eq!(t.communicator_usable(), Some(false));
+        assert!(t.is_timeout());
+    }
+
+    #[test]
+    fn peer_broken_is_one_clean_sentence() {
+        let s = Error::PeerBroken { peer: 1 }.to_string();
+        assert_eq!(
+            s,
+            "rank 1's communicator broke (an error, a timeout or an abort there) while this rank \
+             waited to verify an operation with it; this communicator is aborted too. Create new \
+             communicators on every rank"
+        );
     }
 }

@@ -337,7 +337,7 @@ pub use cuda::{
     ByValue, Device, DeviceBuffer, Event, Function, Graph, HostBuffer, KernelArg, LaunchBuilder,
     LaunchConfig, Module, RawUse, Stream, View, ViewMut,
 };
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use nccl::bootstrap::Launch;
 pub use nccl::{
     CommOptions, Communicator, CtaPolicy, Group, NcclType, ReduceOp, Registration, UniqueId, Window, group,

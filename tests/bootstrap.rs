@@ -424,14 +424,14 @@ fn another_program() -> Result<(), Failed> {
 /// `spawn_local` starts the ranks with the variables a launcher sets, and a fresh secret, which
 /// `Launch::from_env` then reads in each of them; they share an id through it.
 fn spawn_local_ranks() -> Result<(), Failed> {
-    let kids = handoff::nccl::bootstrap::spawn_local(3, |_, cmd| {
+    let job = handoff::nccl::bootstrap::spawn_local(3, |_, cmd| {
         cmd.env(ROLE, "launch")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
     })?;
     let mut masters = Vec::new();
-    for (rank, k) in kids.into_iter().enumerate() {
-        let (ok, out, err) = finish(k)?;
+    for r in job.wait_timeout(Duration::from_secs(60))?.ranks {
+        let (rank, ok, out, err) = (r.rank, r.status.success(), r.stdout, r.stderr);
         let f: Vec<&str> = out.split_whitespace().collect();
         let want = ["torchrun", &rank.to_string(), "3", &rank.to_string()];
         check(ok && f.len() == 7 && f[..4] == want, || {

@@ -61,6 +61,10 @@ fn main() {
             "hazard_collective_input_rewritten_and_output_read_on_other_streams_in_two_processes",
             hazards_in_processes,
         ),
+        g.ranks_trial(
+            "a_barrier_holds_every_rank_until_the_work_queued_before_it_everywhere_is_done",
+            barrier_in_processes,
+        ),
         g.trial("pre_mul_sum_scales_each_rank_before_summing", 2, pre_mul_sum),
         g.trial(
             "a_rank_made_by_init_all_splits_only_with_split_all",
@@ -323,18 +327,8 @@ fn in_one_process() -> Result<(), Failed> {
 }
 
 fn in_processes(world: usize) -> Result<(), Failed> {
-    let kids = common::spawn_n("collectives", world, false)?;
-    let failed: Vec<usize> = common::wait_all(kids, Duration::from_secs(240))?
-        .iter()
-        .enumerate()
-        .filter(|(_, (status, _))| !status.success())
-        .map(|(rank, _)| rank)
-        .collect();
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(format!("ranks {failed:?} failed").into())
-    }
+    let job = common::spawn_n("collectives", world, false)?;
+    Ok(job.wait_timeout(Duration::from_secs(240))?.check()?)
 }
 
 /// The path a job across hosts takes: NCCL's network transport (sockets, on the loopback
@@ -342,7 +336,7 @@ fn in_processes(world: usize) -> Result<(), Failed> {
 /// the bootstrap. NCCL's own log must show the socket transport.
 fn over_the_network() -> Result<(), Failed> {
     let sharing = handoff::nccl::bootstrap::GpuSharing::WhenFewerGpus;
-    let kids = handoff::nccl::bootstrap::spawn_local_with(2, sharing, |_, cmd| {
+    let job = handoff::nccl::bootstrap::spawn_local_with(2, sharing, |_, cmd| {
         cmd.env(common::CHILD_VAR, "collectives")
             .env("NCCL_P2P_DISABLE", "1")
             .env("NCCL_SHM_DISABLE", "1")
@@ -354,16 +348,13 @@ fn over_the_network() -> Result<(), Failed> {
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
     })?;
-    let mut failed = Vec::new();
-    let mut log = String::new();
-    for (rank, k) in kids.into_iter().enumerate() {
-        let out = k.wait_with_output()?;
-        log += &String::from_utf8_lossy(&out.stdout);
-        log += &String::from_utf8_lossy(&out.stderr);
-        if !out.status.success() {
-            failed.push(rank);
-        }
-    }
+    let exit = job.wait_timeout(Duration::from_secs(240))?;
+    let failed = exit.failed();
+    let log: String = exit
+        .ranks
+        .iter()
+        .map(|r| format!("{}{}", r.stdout, r.stderr))
+        .collect();
     let lines: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("NET/Socket") || l.contains("via NET"))
@@ -557,6 +548,45 @@ fn hazards_in_processes() -> Result<(), Failed> {
         run().map_err(|e| e.message().unwrap_or("failed").to_string())
     })?;
     common::both_ok(results).map(|_| ())
+}
+
+/// Two ranks in two processes: after a first barrier (which lines the hosts up), rank 0 queues
+/// 600 ms of GPU work before its second barrier and rank 1 none. Rank 1's `barrier_wait` must
+/// still take most of those 600 ms, as its barrier cannot complete before rank 0's work has;
+/// and a following all-reduce still sums correctly (the barrier left the order of collectives
+/// intact).
+fn barrier_in_processes() -> Result<(), Failed> {
+    const BUSY: Duration = Duration::from_millis(600);
+    let opts = CommOptions::default().with_timeout(Duration::from_secs(60));
+    let results = common::two_ranks([opts, opts], |made| {
+        let run = || -> Result<u64, Failed> {
+            let comm = made?;
+            let s = Stream::new(comm.device())?;
+            // Warms the pair up (connections, NCCL's kernels) and lines the hosts up.
+            comm.barrier_wait(&s)?;
+            comm.barrier_wait(&s)?;
+            if comm.rank() == 0 {
+                kernels::busy(BUSY, &s)?;
+            }
+            let start = std::time::Instant::now();
+            comm.barrier_wait(&s)?;
+            let waited = start.elapsed();
+            let mut x = DeviceBuffer::from_slice(&[comm.rank() as f32 + 1.0], &s)?;
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &s)?;
+            assert_all_eq("the all-reduce after the barrier", &x.to_vec(&s)?, |_| 3.0)?;
+            Ok(waited.as_millis() as u64)
+        };
+        run().map_err(|e| e.message().unwrap_or("failed").to_string())
+    })?;
+    let [w0, w1] = common::both_ok(results)?;
+    println!("barrier_wait took {w0} ms on rank 0 (600 ms of work before it), {w1} ms on rank 1");
+    // The hosts left the previous barrier within a few milliseconds of each other.
+    if w1 < 400 {
+        return Err(
+            format!("rank 1 passed the barrier after {w1} ms, before rank 0's 600 ms of work").into(),
+        );
+    }
+    Ok(())
 }
 
 /// Three ranks in three processes split by parity (ranks 0 and 2 into one communicator, rank 1

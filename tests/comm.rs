@@ -364,17 +364,8 @@ fn two_ranks_in_one_process() -> Result<(), Failed> {
 
 /// Two processes, one GPU each, joined through the bootstrap as a launcher would start them.
 fn two_processes_through_the_bootstrap() -> Result<(), Failed> {
-    let mut failed = Vec::new();
-    for (rank, mut c) in common::spawn_ranks("send_recv", false)?.into_iter().enumerate() {
-        if !c.wait()?.success() {
-            failed.push(rank);
-        }
-    }
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(format!("child ranks {failed:?} failed").into())
-    }
+    let job = common::spawn_ranks("send_recv", false)?;
+    Ok(job.wait_timeout(Duration::from_secs(240))?.check()?)
 }
 
 fn child_send_recv() -> Result<(), Failed> {

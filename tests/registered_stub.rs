@@ -219,6 +219,27 @@ fn one_rank() -> Result<(Device, Stream, Communicator), Failed> {
     Ok((dev, stream, comm))
 }
 
+/// `Communicator::barrier` queues one all-reduce and no other NCCL operation; `barrier_wait`
+/// the same, then waits.
+fn barrier_is_one_all_reduce(s: &Stubs) -> Result<(), Failed> {
+    let (_dev, stream, comm) = one_rank()?;
+    let calls = [
+        "ncclAllReduce",
+        "ncclSend",
+        "ncclRecv",
+        "ncclBroadcast",
+        "ncclAllGather",
+    ];
+    let before: Vec<i64> = calls.iter().map(|c| s.count(c)).collect();
+    comm.barrier(&stream)?;
+    comm.barrier_wait(&stream)?;
+    let made: Vec<i64> = calls.iter().zip(&before).map(|(c, b)| s.count(c) - b).collect();
+    if made != [2, 0, 0, 0, 0] {
+        return Err(format!("two barriers made these calls of {calls:?}: {made:?}").into());
+    }
+    Ok(())
+}
+
 /// Polls `cond` for up to two seconds.
 fn eventually(what: &str, mut cond: impl FnMut() -> bool) -> Result<(), Failed> {
     let start = Instant::now();
@@ -582,6 +603,10 @@ fn main() {
             registration_lifecycle,
         ),
         trial("a_window_needs_nccl_memory_and_is_never_made_twice", window_rules),
+        trial(
+            "a_barrier_is_one_all_reduce_and_nothing_else",
+            barrier_is_one_all_reduce,
+        ),
         trial(
             "registration_is_compared_across_a_transfer",
             registration_is_compared_across_a_transfer,

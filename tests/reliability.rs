@@ -280,8 +280,8 @@ fn soak() -> Result<(), Failed> {
 /// Rank 0 is killed in the middle of a send/receive loop; rank 1 must return an error within
 /// its timeout and exit cleanly.
 fn dead_peer() -> Result<(), Failed> {
-    let mut kids = common::spawn_ranks("dead_peer", true)?;
-    let out0 = kids[0].stdout.take().ok_or("no stdout")?;
+    let mut job = common::spawn_ranks("dead_peer", true)?;
+    let out0 = job.child_mut(0).stdout.take().ok_or("no stdout")?;
     for line in BufReader::new(out0).lines() {
         let line = line?;
         println!("rank 0: {line}");
@@ -289,13 +289,11 @@ fn dead_peer() -> Result<(), Failed> {
             break;
         }
     }
-    kids[0].kill()?;
+    job.kill(0)?;
     let killed = Instant::now();
-    let _ = kids[0].wait();
-    let status = kids[1].wait()?;
+    let exit = job.wait_timeout(Duration::from_secs(60))?;
     let took = killed.elapsed();
-    let mut out1 = String::new();
-    std::io::Read::read_to_string(&mut kids[1].stdout.take().ok_or("no stdout")?, &mut out1)?;
+    let (status, out1) = (exit.ranks[1].status, &exit.ranks[1].stdout);
     println!("rank 1 ({status}, {took:?} after the kill):\n{out1}");
     if !status.success() || !out1.contains("peer failure detected") {
         return Err("the survivor did not report the dead peer".into());
@@ -309,24 +307,22 @@ fn dead_peer() -> Result<(), Failed> {
 /// Three ranks all-reduce in a loop; rank 2 is killed after round 20. Ranks 0 and 1 each report
 /// the failure (an error from the all-reduce or its wait) within their 10 s timeout, and exit.
 fn dead_peer_among_three() -> Result<(), Failed> {
-    let mut kids = common::spawn_n("dead_peer_of_three", 3, true)?;
-    let out0 = kids[0].stdout.take().ok_or("no stdout")?;
+    let mut job = common::spawn_n("dead_peer_of_three", 3, true)?;
+    let out0 = job.child_mut(0).stdout.take().ok_or("no stdout")?;
     let mut lines0 = BufReader::new(out0).lines();
     for line in lines0.by_ref() {
         if line?.contains("round 20") {
             break;
         }
     }
-    let mut victim = kids.pop().ok_or("no rank 2")?;
-    victim.kill()?;
+    job.kill(2)?;
     let killed = Instant::now();
-    let _ = victim.wait();
     // The rest of rank 0's output, read beside the wait so that its pipe never fills.
     let rest0 = std::thread::spawn(move || lines0.map_while(Result::ok).collect::<Vec<_>>().join("\n"));
-    let survivors = common::wait_all(kids, Duration::from_secs(60))?;
+    let exit = job.wait_timeout(Duration::from_secs(60))?;
     let took = killed.elapsed();
-    let outs = [rest0.join().unwrap_or_default(), survivors[1].1.clone()];
-    for (rank, ((status, _), out)) in survivors.iter().zip(&outs).enumerate() {
+    let outs = [rest0.join().unwrap_or_default(), exit.ranks[1].stdout.clone()];
+    for (rank, (status, out)) in exit.ranks.iter().map(|r| r.status).zip(&outs).enumerate() {
         let last = out.lines().last().unwrap_or("");
         println!("rank {rank} ({status}, all ended {took:?} after the kill): {last}");
         if !status.success() || !out.contains("peer failure detected") {
@@ -387,14 +383,12 @@ fn child_dead_peer() -> Result<(), Failed> {
 /// Rank 0 sends 4 f32; rank 1 receives 3 f32 (count) or 4 i32 (type), in checked mode: both
 /// ranks get `Error::Mismatch` naming both sides, and nothing hangs.
 fn mismatch_across_processes(role: &str) -> Result<(), Failed> {
-    let kids = common::spawn_ranks(role, true)?;
+    let exit = common::spawn_ranks(role, true)?.wait_timeout(Duration::from_secs(120))?;
     let mut failed = Vec::new();
-    for (rank, k) in kids.into_iter().enumerate() {
-        let out = k.wait_with_output()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        println!("rank {rank}: {text}");
-        if !out.status.success() || !text.contains("mismatch") {
-            failed.push(rank);
+    for r in &exit.ranks {
+        println!("rank {}: {}", r.rank, r.stdout);
+        if !r.status.success() || !r.stdout.contains("mismatch") {
+            failed.push(r.rank);
         }
     }
     if failed.is_empty() {

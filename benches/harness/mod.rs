@@ -140,20 +140,12 @@ pub fn spawn_procs(local_ranks: [usize; 2]) -> Result<(), String> {
     } else {
         GpuSharing::WhenFewerGpus
     };
-    let kids = spawn_local_with(2, sharing, |rank, cmd| {
+    spawn_local_with(2, sharing, |rank, cmd| {
         cmd.args(&args).env("LOCAL_RANK", local_ranks[rank].to_string());
     })
-    .map_err(|e| e.to_string())?;
-    let failed: Vec<usize> = kids
-        .into_iter()
-        .enumerate()
-        .filter_map(|(r, mut k)| (!k.wait().map(|s| s.success()).unwrap_or(false)).then_some(r))
-        .collect();
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(format!("rank(s) {failed:?} failed"))
-    }
+    .and_then(|job| job.wait())
+    .and_then(|exit| exit.check())
+    .map_err(|e| e.to_string())
 }
 
 /// For a rank whose launch shares GPUs (`HANDOFF_SHARE_GPUS=1`, as [`spawn_procs`] sets it on

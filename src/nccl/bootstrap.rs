@@ -73,7 +73,7 @@ mod server;
 mod wire;
 
 pub use client::fetch_unique_id;
-pub use local::{GpuSharing, SHARE_GPUS_VAR, spawn_local, spawn_local_with};
+pub use local::{GpuSharing, JobExit, LocalJob, RankExit, SHARE_GPUS_VAR, spawn_local, spawn_local_with};
 pub use secret::{SECRET_FILE_VAR, SECRET_VAR, Secret};
 pub use server::{IdServer, MAX_CONNECTIONS, serve_unique_id};
 pub use wire::PROTOCOL_VERSION;

@@ -607,6 +607,42 @@ impl Communicator {
     }
 }
 
+impl Communicator {
+    /// A barrier of every rank, queued on `stream`: a one-element all-reduce (sum of a `u8`)
+    /// of a buffer made for it, verified like any collective (every rank posts its barrier at
+    /// the same place in its order of collectives). Returns once it is queued, not done.
+    ///
+    /// What it orders, on the GPU: the all-reduce on a rank starts after the work queued
+    /// before it on that rank's `stream`, and cannot complete before every rank's all-reduce
+    /// has started (its result is every rank's contribution). So the work each rank queued on
+    /// its barrier stream before its barrier completes before the work any rank queues on its
+    /// barrier stream after its barrier starts. Nothing more: work on other streams is ordered
+    /// only as far as those streams are joined to the barrier stream ([`Stream::record`] an
+    /// event on one, [`Stream::wait`] for it on the other), and no host is held;
+    /// [`Communicator::barrier_wait`] holds this rank's.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`]; [`Error::Capture`] while `stream` is being captured
+    /// into a graph (the buffer cannot be allocated in a capture); CUDA errors allocating it.
+    pub fn barrier(&self, stream: &Stream) -> Result<()> {
+        // Allocated and freed in stream order: the free waits for the all-reduce (tracking).
+        let mut token = crate::cuda::buffer::DeviceBuffer::<u8>::zeros(1, stream)?;
+        self.all_reduce_in_place(&mut token, ReduceOp::Sum, stream)
+    }
+
+    /// [`Communicator::barrier`], then blocks the host until the work queued on `stream` so
+    /// far has completed, as [`Communicator::wait_stream`] (bounded by the timeout). When it
+    /// returns, every rank has completed the work it queued on its barrier stream before its
+    /// barrier, and this rank's barrier is done; other ranks' hosts may not have returned yet.
+    ///
+    /// # Errors
+    /// As [`Communicator::barrier`] and [`Communicator::wait_stream`].
+    pub fn barrier_wait(&self, stream: &Stream) -> Result<()> {
+        self.barrier(stream)?;
+        self.wait_stream(stream)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,10 +12,9 @@
 #![allow(dead_code)]
 
 use std::cell::RefCell;
-use std::io::{BufRead, BufReader};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use handoff::nccl::bootstrap::{GpuSharing, spawn_local_with};
+use handoff::nccl::bootstrap::{GpuSharing, LocalJob, spawn_local_with};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// What this machine offers.
@@ -131,30 +130,31 @@ pub fn ranks<T: serde::Serialize + serde::de::DeserializeOwned>(
         std::process::exit(0);
     }
     let world = options.len();
-    let kids = spawn_local_with(world, GpuSharing::WhenFewerGpus, |_, cmd| {
+    let job = spawn_local_with(world, GpuSharing::WhenFewerGpus, |_, cmd| {
         cmd.args([trial.as_str(), "--exact", "--test-threads", "1"])
             .env(RANKS_VAR, &trial)
             .stdout(std::process::Stdio::piped());
     })?;
-    let outputs = wait_all(kids, RANKS_DEADLINE)?;
-    for (rank, (status, out)) in outputs.iter().enumerate() {
-        println!("[rank {rank}, {status}]");
-        for l in out
+    let exit = job.wait_timeout(RANKS_DEADLINE)?;
+    for r in &exit.ranks {
+        println!("[rank {}, {}]", r.rank, r.status);
+        for l in r
+            .stdout
             .lines()
             .filter(|l| !l.is_empty() && !l.starts_with(RESULT_MARK))
         {
-            println!("[rank {rank}] {l}");
+            println!("[rank {}] {l}", r.rank);
         }
     }
-    outputs
+    exit.ranks
         .into_iter()
-        .enumerate()
-        .map(|(rank, (status, out))| {
-            let line = out
+        .map(|r| {
+            let line = r
+                .stdout
                 .lines()
                 .find_map(|l| l.strip_prefix(RESULT_MARK))
-                .ok_or_else(|| format!("rank {rank} ended ({status}) without a result"))?;
-            serde_json::from_str(line).map_err(|e| format!("rank {rank}'s result {line:?}: {e}").into())
+                .ok_or_else(|| format!("rank {} ended ({}) without a result", r.rank, r.status))?;
+            serde_json::from_str(line).map_err(|e| format!("rank {}'s result {line:?}: {e}", r.rank).into())
         })
         .collect()
 }
@@ -166,56 +166,6 @@ pub fn two_ranks<T: serde::Serialize + serde::de::DeserializeOwned>(
 ) -> Result<[Result<T, String>; 2], Failed> {
     let mut r = ranks(&options, body)?.into_iter();
     Ok([r.next().ok_or("no rank 0")?, r.next().ok_or("no rank 1")?])
-}
-
-/// Waits for every child, reading its piped standard output (if any) as it goes; kills them
-/// all and fails once `deadline` has passed.
-pub fn wait_all(
-    kids: Vec<std::process::Child>,
-    deadline: Duration,
-) -> Result<Vec<(std::process::ExitStatus, String)>, Failed> {
-    let start = Instant::now();
-    let mut kids: Vec<_> = kids
-        .into_iter()
-        .map(|mut k| {
-            // Read on a thread of its own: a child that fills its pipe must not block.
-            let reader = k.stdout.take().map(|out| {
-                std::thread::spawn(move || {
-                    let mut text = String::new();
-                    for l in BufReader::new(out).lines() {
-                        text.push_str(&l.unwrap_or_default());
-                        text.push('\n');
-                    }
-                    text
-                })
-            });
-            (k, reader)
-        })
-        .collect();
-    let mut statuses = vec![None; kids.len()];
-    while statuses.iter().any(Option::is_none) {
-        for (i, (k, _)) in kids.iter_mut().enumerate() {
-            if statuses[i].is_none() {
-                statuses[i] = k.try_wait()?;
-            }
-        }
-        if start.elapsed() > deadline {
-            for (k, _) in &mut kids {
-                let _ = k.kill();
-                let _ = k.wait();
-            }
-            return Err(format!("the rank processes ran past {deadline:?}: killed").into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(kids
-        .into_iter()
-        .zip(statuses)
-        .map(|((_, reader), status)| {
-            let out = reader.map(|r| r.join().unwrap_or_default()).unwrap_or_default();
-            (status.expect("waited"), out)
-        })
-        .collect())
 }
 
 /// Runs the trials and exits with libtest's status.
@@ -234,12 +184,59 @@ pub fn run_serial(trials: Vec<Trial>) -> ! {
 fn run_with(args: Arguments, trials: Vec<Trial>) -> ! {
     let gpus = Gpus::detect();
     if gpus.usable == 0 && !args.list {
-        eprintln!(
-            "handoff GPU tests: no usable GPU ({}): tests needing one are ignored",
-            gpus.reason
-        );
+        let selected = trials.iter().filter(|t| !args.is_filtered_out(t));
+        let (ignored, total) = selected.fold((0, 0), |(i, n), t| (i + t.has_ignored_flag() as usize, n + 1));
+        // The first clause of the reason: its whole text is printed once per `cargo test` run.
+        let short = gpus.reason.split([':', '.']).next().unwrap_or_default();
+        eprintln!("handoff GPU tests: {ignored} of {total} ignored (no usable GPU: {short})");
+        if first_to_speak() {
+            eprintln!("handoff GPU tests: why: {}", gpus.reason);
+        }
     }
     libtest_mimic::run(&args, trials).exit()
+}
+
+/// Whether this test binary is the first of its `cargo test` run to report the missing GPU.
+///
+/// Cargo runs each test binary as a process of its own, one after another, all children of the
+/// one cargo process: the first to create a marker file named after that parent (its pid and
+/// start time, so that a reused pid is another parent) is the first. Markers of parents that
+/// have ended are removed. Where that cannot be told (no /proc), every binary is first.
+fn first_to_speak() -> bool {
+    const PREFIX: &str = "handoff-gpu-tests-said-";
+    let start_of = |pid: u32| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // Field 22, the start time, counted after the command name's closing parenthesis.
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(19)
+            .map(str::to_string)
+    };
+    let parent = std::os::unix::process::parent_id();
+    let Some(start) = start_of(parent) else {
+        return true;
+    };
+    let dir = std::env::temp_dir();
+    let marker = dir.join(format!("{PREFIX}{parent}-{start}"));
+    let first = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&marker)
+        .is_ok();
+    if first && let Ok(entries) = std::fs::read_dir(&dir) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some((pid, start)) = name.strip_prefix(PREFIX).and_then(|r| r.split_once('-')) else {
+                continue;
+            };
+            let alive = pid.parse().ok().and_then(start_of).is_some_and(|s| s == start);
+            if !alive {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    first
 }
 
 /// Fails with a message showing the first mismatches.
@@ -290,13 +287,14 @@ pub fn run_child_role(roles: &[(&str, TestFn)]) {
 }
 
 /// Starts two ranks of this test binary on this machine, playing `role`: [`spawn_n`].
-pub fn spawn_ranks(role: &str, piped_stdout: bool) -> Result<Vec<std::process::Child>, Failed> {
+pub fn spawn_ranks(role: &str, piped_stdout: bool) -> Result<LocalJob, Failed> {
     spawn_n(role, 2, piped_stdout)
 }
 
 /// Starts `world` ranks of this test binary on this machine, playing `role`, sharing the GPUs
-/// where there are fewer than `world`.
-pub fn spawn_n(role: &str, world: usize, piped_stdout: bool) -> Result<Vec<std::process::Child>, Failed> {
+/// where there are fewer than `world`. Wait for them with the job's `wait_timeout` (which also
+/// reads the piped stdout); dropping the job kills them.
+pub fn spawn_n(role: &str, world: usize, piped_stdout: bool) -> Result<LocalJob, Failed> {
     Ok(spawn_local_with(world, GpuSharing::WhenFewerGpus, |_, cmd| {
         cmd.env(CHILD_VAR, role);
         if piped_stdout {

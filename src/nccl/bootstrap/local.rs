@@ -177,7 +177,7 @@ fn local_master() -> std::io::Result<std::net::SocketAddrV4> {
 pub fn spawn_local(
     world: usize,
     configure: impl FnMut(usize, &mut std::process::Command),
-) -> Result<Vec<std::process::Child>> {
+) -> Result<LocalJob> {
     spawn_local_with(world, GpuSharing::Never, configure)
 }
 
@@ -188,7 +188,8 @@ pub fn spawn_local(
 /// (`NCCL_*` included). Unless this process has `HANDOFF_SECRET` or `HANDOFF_SECRET_FILE` set,
 /// the ranks get a fresh random `HANDOFF_SECRET`, so that no other local process can fetch
 /// their id. `configure` may change each rank's command (arguments, variables, redirections)
-/// before it starts. Returns the children in rank order; the caller waits for them.
+/// before it starts. Returns the [`LocalJob`] of the ranks: wait for it
+/// ([`LocalJob::wait_timeout`]); dropping it kills the ranks still running.
 ///
 /// Where `sharing` says so (or this process has `HANDOFF_SHARE_GPUS=1`), the ranks share the
 /// visible GPUs round-robin: each gets `HANDOFF_SHARE_GPUS=1`, an `NCCL_HOSTID` of its own,
@@ -198,17 +199,15 @@ pub fn spawn_local(
 ///
 /// # Errors
 /// [`Error::Bootstrap`] when no address or secret can be drawn from /dev/urandom, or a process
-/// cannot be started; [`Error::InvalidArgument`] for a malformed `HANDOFF_SHARE_GPUS`;
-/// with [`GpuSharing::WhenFewerGpus`], the errors of [`Device::count`].
+/// cannot be started (the ranks already started are then killed); [`Error::InvalidArgument`]
+/// for a malformed `HANDOFF_SHARE_GPUS`; with [`GpuSharing::WhenFewerGpus`], the errors of
+/// [`Device::count`].
 pub fn spawn_local_with(
     world: usize,
     sharing: GpuSharing,
     mut configure: impl FnMut(usize, &mut std::process::Command),
-) -> Result<Vec<std::process::Child>> {
-    let fail = |detail: String| Error::Bootstrap {
-        addr: "127.0.0.1".into(),
-        detail,
-    };
+) -> Result<LocalJob> {
+    let fail = job_error;
     let inherited = std::env::var_os(SHARE_GPUS_VAR).map(|v| v.to_string_lossy().into_owned());
     let share = parse_share(inherited.as_deref())?
         || match sharing {
@@ -245,7 +244,336 @@ pub fn spawn_local_with(
             cmd.spawn()
                 .map_err(|e| fail(format!("cannot start rank {rank}: {e}")))
         })
-        .collect()
+        // On an error the job collected so far drops, which kills its ranks.
+        .collect::<Result<Vec<_>>>()
+        .map(|children| LocalJob {
+            children,
+            forwarders: Vec::new(),
+        })
+}
+
+/// The error of starting or watching a local job's processes (as before the job handle: no
+/// address is involved yet, so the loopback network's).
+fn job_error(detail: String) -> Error {
+    Error::Bootstrap {
+        addr: "127.0.0.1".into(),
+        detail,
+    }
+}
+
+/// The ranks that [`spawn_local`] or [`spawn_local_with`] started, in rank order.
+///
+/// Wait for them with [`LocalJob::wait_timeout`] (or [`LocalJob::wait`]): one [`JobExit`] with
+/// every rank's exit status and the output it piped, and [`JobExit::check`] for an error
+/// naming the ranks that failed or were killed. [`LocalJob::prefix_output`] forwards the
+/// ranks' piped output to this process, each line prefixed `[rank r] `. The children stay
+/// reachable ([`LocalJob::child_mut`], [`LocalJob::kill`]) for callers that read a rank's
+/// output as it runs or end one on purpose.
+///
+/// Dropping the job kills the ranks still running (SIGKILL) and reaps them all, so that no
+/// rank outlives its handle, as a zombie or running; [`LocalJob::into_children`] gives them up
+/// instead.
+#[derive(Debug)]
+pub struct LocalJob {
+    children: Vec<std::process::Child>,
+    /// The threads of [`LocalJob::prefix_output`], joined once the ranks have exited.
+    forwarders: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// How one rank of a [`LocalJob`] ended.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RankExit {
+    /// The rank.
+    pub rank: usize,
+    /// Its exit status.
+    pub status: std::process::ExitStatus,
+    /// Its standard output, where it was piped and neither taken by the caller nor forwarded
+    /// ([`LocalJob::prefix_output`]); empty otherwise. Invalid UTF-8 is replaced.
+    pub stdout: String,
+    /// Its standard error, as `stdout`.
+    pub stderr: String,
+}
+
+impl RankExit {
+    /// Whether the rank was ended by a signal (killed) rather than exiting.
+    pub fn killed(&self) -> bool {
+        use std::os::unix::process::ExitStatusExt;
+        self.status.signal().is_some()
+    }
+}
+
+/// Every rank's end, from [`LocalJob::wait_timeout`] or [`LocalJob::wait`], in rank order.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct JobExit {
+    /// One per rank, in rank order.
+    pub ranks: Vec<RankExit>,
+}
+
+impl JobExit {
+    /// Whether every rank exited successfully (status 0).
+    pub fn success(&self) -> bool {
+        self.ranks.iter().all(|r| r.status.success())
+    }
+
+    /// The ranks that did not exit successfully (failed or killed), in rank order.
+    pub fn failed(&self) -> Vec<usize> {
+        self.ranks
+            .iter()
+            .filter(|r| !r.status.success())
+            .map(|r| r.rank)
+            .collect()
+    }
+
+    /// `Ok` when every rank exited successfully.
+    ///
+    /// # Errors
+    /// [`Error::RanksFailed`] naming each rank that failed (with its exit status) or was killed
+    /// (with the signal).
+    pub fn check(&self) -> Result<()> {
+        let failed: Vec<&RankExit> = self.ranks.iter().filter(|r| !r.status.success()).collect();
+        if failed.is_empty() {
+            return Ok(());
+        }
+        let each: Vec<String> = failed
+            .iter()
+            .map(|r| {
+                let how = if r.killed() { "was killed" } else { "failed" };
+                format!("rank {} {how} ({})", r.rank, r.status)
+            })
+            .collect();
+        Err(Error::RanksFailed {
+            ranks: failed.iter().map(|r| r.rank).collect(),
+            detail: format!(
+                "{} of the {} ranks of the local job did not succeed: {}",
+                failed.len(),
+                self.ranks.len(),
+                each.join(", ")
+            ),
+            after: None,
+        })
+    }
+}
+
+/// Reads `pipe` to its end on a thread of its own, so that a rank that fills the pipe never
+/// blocks on it.
+fn read_all(mut pipe: impl std::io::Read + Send + 'static) -> Result<std::thread::JoinHandle<Vec<u8>>> {
+    std::thread::Builder::new()
+        .name("handoff-job-output".into())
+        .spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+        .map_err(|e| job_error(format!("cannot start a thread to read a rank's output: {e}")))
+}
+
+/// Copies `pipe` line by line to `sink`, each line prefixed `[rank r] ` and ended by a
+/// newline, on a thread of its own; the thread ends at the pipe's end.
+fn forward(
+    rank: usize,
+    pipe: impl std::io::Read + Send + 'static,
+    sink: impl Fn(&[u8]) + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("handoff-rank-{rank}-output"))
+        .spawn(move || {
+            use std::io::BufRead;
+            let mut lines = std::io::BufReader::new(pipe);
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                match lines.read_until(b'\n', &mut line) {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+                if line.last() != Some(&b'\n') {
+                    line.push(b'\n');
+                }
+                // One write per line: the lines of different ranks interleave, never their
+                // characters.
+                let mut text = format!("[rank {rank}] ").into_bytes();
+                text.extend_from_slice(&line);
+                sink(&text);
+            }
+        })
+        .map_err(|e| {
+            job_error(format!(
+                "cannot start a thread to forward rank {rank}'s output: {e}"
+            ))
+        })
+}
+
+impl LocalJob {
+    /// The number of ranks.
+    pub fn len(&self) -> usize {
+        self.children.len()
+    }
+
+    /// Whether the job has no ranks (`world` 0).
+    pub fn is_empty(&self) -> bool {
+        self.children.is_empty()
+    }
+
+    /// Rank `rank`'s process, e.g. to take its piped stdout and read it as it runs (what is
+    /// left in the child is read by [`LocalJob::wait_timeout`]).
+    ///
+    /// # Panics
+    /// If `rank` is not below [`LocalJob::len`].
+    pub fn child_mut(&mut self, rank: usize) -> &mut std::process::Child {
+        &mut self.children[rank]
+    }
+
+    /// Every rank's process, in rank order.
+    pub fn children(&self) -> &[std::process::Child] {
+        &self.children
+    }
+
+    /// Kills rank `rank` (SIGKILL) and reaps it; nothing if it has exited already. Its status
+    /// is then in [`LocalJob::wait_timeout`]'s result, killed.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a rank not below [`LocalJob::len`]; [`Error::Bootstrap`]
+    /// when the process cannot be killed or waited for.
+    pub fn kill(&mut self, rank: usize) -> Result<()> {
+        let world = self.children.len();
+        let child = self
+            .children
+            .get_mut(rank)
+            .ok_or_else(|| Error::InvalidArgument(format!("rank {rank} is not in a job of {world} ranks")))?;
+        let failed = |e: std::io::Error| job_error(format!("cannot kill rank {rank}: {e}"));
+        child.kill().map_err(failed)?;
+        child.wait().map_err(failed)?;
+        Ok(())
+    }
+
+    /// Forwards the ranks' piped stdout and stderr to this process's stdout and stderr, line by
+    /// line, each line prefixed `[rank r] ` (one thread per pipe). Only pipes that `configure`
+    /// asked for (`cmd.stdout(Stdio::piped())`) and that are still in the children are
+    /// forwarded; their output is then not in [`RankExit::stdout`] and `stderr`.
+    ///
+    /// # Errors
+    /// [`Error::Bootstrap`] when a thread cannot be started (the pipes already handed to a
+    /// thread stay forwarded).
+    pub fn prefix_output(&mut self) -> Result<&mut Self> {
+        for (rank, child) in self.children.iter_mut().enumerate() {
+            // A closed stdout or stderr only loses the rank's output.
+            if let Some(out) = child.stdout.take() {
+                let sink = |b: &[u8]| drop(std::io::Write::write_all(&mut std::io::stdout(), b));
+                self.forwarders.push(forward(rank, out, sink)?);
+            }
+            if let Some(err) = child.stderr.take() {
+                let sink = |b: &[u8]| drop(std::io::Write::write_all(&mut std::io::stderr(), b));
+                self.forwarders.push(forward(rank, err, sink)?);
+            }
+        }
+        Ok(self)
+    }
+
+    /// Waits for every rank to exit, however long it takes; see [`LocalJob::wait_timeout`].
+    ///
+    /// # Errors
+    /// As [`LocalJob::wait_timeout`], less the deadline.
+    pub fn wait(self) -> Result<JobExit> {
+        self.finish(None)
+    }
+
+    /// Waits for every rank to exit, reading what each piped to stdout and stderr meanwhile
+    /// (the pipes still in the children), for at most `timeout`; returns every rank's status
+    /// and output, successful or not ([`JobExit::check`] turns failures into an error).
+    ///
+    /// # Errors
+    /// [`Error::RanksFailed`] with `after` set (its [`kind`](Error::kind) is
+    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout)) when ranks still ran at the deadline:
+    /// every rank still running is then killed and reaped, and the error names them;
+    /// [`Error::Bootstrap`] when a rank cannot be waited for or a reading thread cannot be
+    /// started (the ranks are then killed as the job drops).
+    pub fn wait_timeout(self, timeout: std::time::Duration) -> Result<JobExit> {
+        self.finish(Some(timeout))
+    }
+
+    fn finish(mut self, timeout: Option<std::time::Duration>) -> Result<JobExit> {
+        let start = std::time::Instant::now();
+        let mut readers = Vec::with_capacity(self.children.len());
+        for child in &mut self.children {
+            let out = child.stdout.take().map(read_all).transpose()?;
+            let err = child.stderr.take().map(read_all).transpose()?;
+            readers.push((out, err));
+        }
+        let world = self.children.len();
+        let mut statuses = vec![None; world];
+        loop {
+            for (rank, child) in self.children.iter_mut().enumerate() {
+                if statuses[rank].is_none() {
+                    statuses[rank] = child
+                        .try_wait()
+                        .map_err(|e| job_error(format!("cannot wait for rank {rank}: {e}")))?;
+                }
+            }
+            if statuses.iter().all(Option::is_some) {
+                break;
+            }
+            if let Some(t) = timeout
+                && start.elapsed() >= t
+            {
+                let running: Vec<usize> = (0..world).filter(|&r| statuses[r].is_none()).collect();
+                // Killed and reaped as the job drops, on the way out.
+                let names: Vec<String> = running.iter().map(|r| r.to_string()).collect();
+                return Err(Error::RanksFailed {
+                    detail: format!(
+                        "{} of the {world} ranks of the local job (ranks {}) still ran after {t:?} \
+                         and were killed",
+                        running.len(),
+                        names.join(", ")
+                    ),
+                    ranks: running,
+                    after: Some(t),
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        // Every rank has exited: the pipes reach their ends (unless a process the rank started
+        // holds them still).
+        for f in self.forwarders.drain(..) {
+            let _ = f.join();
+        }
+        let text = |r: Option<std::thread::JoinHandle<Vec<u8>>>| {
+            r.and_then(|h| h.join().ok())
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .unwrap_or_default()
+        };
+        let ranks = readers
+            .into_iter()
+            .zip(statuses)
+            .enumerate()
+            .map(|(rank, ((out, err), status))| RankExit {
+                rank,
+                status: status.expect("every rank exited"),
+                stdout: text(out),
+                stderr: text(err),
+            })
+            .collect();
+        Ok(JobExit { ranks })
+    }
+
+    /// Gives up the children, in rank order: the job no longer kills them on drop; the caller
+    /// waits for them. Output already being forwarded ([`LocalJob::prefix_output`]) still is.
+    pub fn into_children(mut self) -> Vec<std::process::Child> {
+        std::mem::take(&mut self.children)
+    }
+}
+
+impl Drop for LocalJob {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            // Exited (and reaped) ranks answer at once; the rest are killed, then reaped.
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -253,6 +581,7 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
     use std::ffi::OsString;
+    use std::time::{Duration, Instant};
 
     /// The variables [`spawn_local_with`] gives rank `rank`'s process, for tests: what
     /// `configure` sees already set on the command.
@@ -309,14 +638,15 @@ mod tests {
         // Each rank is this test binary listing its tests (and exiting); `configure` sees each
         // command as it starts.
         let mut seen = Vec::new();
-        let kids = spawn_local_with(3, GpuSharing::Always, |rank, cmd| {
+        let job = spawn_local_with(3, GpuSharing::Always, |rank, cmd| {
             cmd.arg("--list").stdout(std::process::Stdio::null());
             seen.push((rank, command_env(cmd)));
         })
         .unwrap();
-        for mut k in kids {
-            assert!(k.wait().unwrap().success());
-        }
+        job.wait_timeout(Duration::from_secs(60))
+            .unwrap()
+            .check()
+            .unwrap();
         let get = |env: &[(OsString, Option<OsString>)], k: &str| {
             env.iter()
                 .find(|(n, _)| n == k)
@@ -334,5 +664,145 @@ mod tests {
             ids.insert(get(env, "NCCL_HOSTID"));
         }
         assert_eq!(ids.len(), 3, "{ids:?}");
+    }
+
+    /// Set on the ranks the job tests start: what [`job_child_role`] makes each do.
+    const ROLE_VAR: &str = "HANDOFF_LOCAL_JOB_TEST_ROLE";
+
+    /// A job of `roles.len()` ranks of this test binary, rank `r` playing `roles[r]` in
+    /// [`job_child_role`], its stdout and stderr piped.
+    fn job(roles: &'static [&'static str]) -> LocalJob {
+        spawn_local(roles.len(), |rank, cmd| {
+            cmd.args([
+                "--exact",
+                "nccl::bootstrap::local::tests::job_child_role",
+                "--nocapture",
+            ])
+            .env(ROLE_VAR, roles[rank])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        })
+        .unwrap()
+    }
+
+    /// In a rank of [`job`], its role; elsewhere (the ordinary test run) nothing.
+    #[test]
+    fn job_child_role() {
+        let Ok(role) = std::env::var(ROLE_VAR) else { return };
+        match role.as_str() {
+            "ok" => {
+                println!("rank {} says hello", std::env::var("RANK").unwrap());
+                eprintln!("and to stderr");
+                std::process::exit(0);
+            }
+            "fail" => std::process::exit(3),
+            _ => {
+                std::thread::sleep(Duration::from_secs(120));
+                std::process::exit(0);
+            }
+        }
+    }
+
+    /// Whether process `pid` still exists (running, or exited and not reaped).
+    fn exists(pid: u32) -> bool {
+        std::path::Path::new(&format!("/proc/{pid}")).exists()
+    }
+
+    #[test]
+    fn a_job_gives_every_ranks_status_and_output_and_names_the_failed() {
+        let exit = job(&["ok", "fail", "ok"])
+            .wait_timeout(Duration::from_secs(60))
+            .unwrap();
+        assert_eq!(exit.ranks.len(), 3);
+        assert!(!exit.success());
+        assert_eq!(exit.failed(), [1]);
+        assert_eq!(exit.ranks[1].status.code(), Some(3));
+        assert!(
+            exit.ranks[0].stdout.contains("rank 0 says hello"),
+            "{:?}",
+            exit.ranks[0]
+        );
+        assert!(
+            exit.ranks[2].stdout.contains("rank 2 says hello"),
+            "{:?}",
+            exit.ranks[2]
+        );
+        assert!(
+            exit.ranks[2].stderr.contains("and to stderr"),
+            "{:?}",
+            exit.ranks[2]
+        );
+        let e = exit.check().unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::RanksFailed);
+        assert!(matches!(&e, Error::RanksFailed { ranks, after: None, .. } if ranks == &[1]));
+        assert_eq!(
+            e.to_string(),
+            "1 of the 3 ranks of the local job did not succeed: rank 1 failed (exit status: 3)"
+        );
+        job(&["ok", "ok"]).wait().unwrap().check().unwrap();
+    }
+
+    #[test]
+    fn past_the_deadline_the_ranks_still_running_are_killed_and_named() {
+        let j = job(&["ok", "sleep", "sleep"]);
+        let pids: Vec<u32> = j.children().iter().map(|c| c.id()).collect();
+        let started = Instant::now();
+        let e = j.wait_timeout(Duration::from_millis(1500)).unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(e.is_timeout(), "{e}");
+        assert!(
+            matches!(&e, Error::RanksFailed { ranks, after: Some(_), .. } if ranks == &[1, 2]),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string()
+                .contains("(ranks 1, 2) still ran after 1.5s and were killed"),
+            "{e}"
+        );
+        // Killed and reaped: no process, not even a zombie, is left.
+        for pid in pids {
+            assert!(!exists(pid), "process {pid} is left");
+        }
+    }
+
+    #[test]
+    fn dropping_the_job_kills_and_reaps_its_ranks_and_one_rank_can_be_killed() {
+        let mut j = job(&["sleep", "sleep"]);
+        let pids: Vec<u32> = j.children().iter().map(|c| c.id()).collect();
+        j.kill(0).unwrap();
+        assert!(!exists(pids[0]));
+        assert!(exists(pids[1]));
+        assert!(matches!(j.kill(2), Err(Error::InvalidArgument(_))));
+        drop(j);
+        assert!(!exists(pids[1]), "rank 1 outlived its job");
+    }
+
+    #[test]
+    fn a_killed_rank_is_reported_as_killed() {
+        let mut j = job(&["ok", "sleep"]);
+        j.kill(1).unwrap();
+        let exit = j.wait_timeout(Duration::from_secs(60)).unwrap();
+        assert!(exit.ranks[1].killed() && !exit.ranks[0].killed());
+        let e = exit.check().unwrap_err().to_string();
+        assert!(e.contains("rank 1 was killed (signal: 9 (SIGKILL))"), "{e}");
+    }
+
+    #[test]
+    fn forwarded_lines_are_prefixed_with_the_rank() {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let into = seen.clone();
+        let pipe = std::io::Cursor::new(b"first\nsecond\n\nlast, unended".to_vec());
+        forward(2, pipe, move |b| into.lock().unwrap().extend_from_slice(b))
+            .unwrap()
+            .join()
+            .unwrap();
+        assert_eq!(
+            String::from_utf8(seen.lock().unwrap().clone()).unwrap(),
+            "[rank 2] first\n[rank 2] second\n[rank 2] \n[rank 2] last, unended\n"
+        );
     }
 }
