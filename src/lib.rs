@@ -311,15 +311,14 @@
 //!   refused there) until `order.rs` is read against it. Stricter than NCCL, it
 //!   refuses a gather, scatter or all_to_all in another group or call order on one rank, and an
 //!   all_gather or broadcast of another element type of the same size in bytes.
-//! - Not yet covered (found by the 2026-12-03 review of the by-group comparison, from NCCL's
-//!   source, not reproduced: it needs NVLS, an NVSwitch machine with `NCCL_NVLS_ENABLE` on):
-//!   NCCL merges a group's neighbouring all_gathers (or reduce_scatters) of one list within 4×
-//!   of each other's size and, under `CtaPolicy::Efficiency` or a tuner plugin, picks NVLS for
-//!   the merge only where one registration covers its whole range. Two ranks whose registered
-//!   buffers are laid out differently then pick different algorithms for equal, verified
-//!   groups. Until verification compares that coverage, keep registered all_gathers and
-//!   reduce_scatters in groups of their own where NVLS is on and the CTA policy is efficiency
-//!   or a tuner plugin is loaded.
+//! - NCCL merges a group's neighbouring all_gathers (or reduce_scatters) of one list within 4×
+//!   of each other's size and, under the efficiency CTA policy or a tuner plugin, with NVLS on,
+//!   picks NVLS for the merge only where one registration covers its whole range: a choice by
+//!   each rank's memory layout, which verification cannot compare (found by the 2026-12-03
+//!   review from NCCL's source; not reproduced, it needs an NVSwitch machine). Where NCCL's
+//!   settings allow that choice, a group holding such a collective with registered memory
+//!   beside another of its list is refused (`Error::InvalidArgument`, before NCCL): post each
+//!   in a group of its own, or set `NCCL_NVLS_ENABLE=0`. Tests: `tests/registered_stub.rs`.
 
 #![warn(missing_docs)]
 

@@ -386,6 +386,87 @@ fn registration_is_compared_across_a_transfer(s: &Stubs) -> Result<(), Failed> {
     Ok(())
 }
 
+/// Two all_gathers of one group, one of registered memory: NCCL may merge them and, under the
+/// efficiency CTA policy (or a tuner plugin) with NVLS on, pick the merge's algorithm by whether
+/// one registration covers it, which verification cannot compare across ranks. Refused before
+/// NCCL there (the efficiency policy, here); posted under the default policy, and under the
+/// efficiency policy when each is in a group of its own.
+fn layout_dependent_merges(s: &Stubs) -> Result<(), Failed> {
+    // The process's environment decides too: this test needs none of these set.
+    for k in [
+        "NCCL_NVLS_ENABLE",
+        "NCCL_CTA_POLICY",
+        "NCCL_TUNER_PLUGIN",
+        "NCCL_NET_PLUGIN",
+    ] {
+        if std::env::var_os(k).is_some() {
+            println!("not run: {k} is set");
+            return Ok(());
+        }
+    }
+    s.set_devices(2);
+    let (d0, d1) = (Device::new(0)?, Device::new(1)?);
+    for policy in [handoff::CtaPolicy::Default, handoff::CtaPolicy::Efficiency] {
+        let options = handoff::CommOptions::default().with_cta_policy(policy);
+        let comms = Communicator::init_all_with(options, &[d0.clone(), d1.clone()])?;
+        let ss = [Stream::new(&d0)?, Stream::new(&d1)?];
+        let (mut a0, b0) = (
+            DeviceBuffer::<f32>::zeros_nccl(16, &ss[0])?,
+            DeviceBuffer::<f32>::zeros(16, &ss[0])?,
+        );
+        let (mut a1, b1) = (
+            DeviceBuffer::<f32>::zeros_nccl(16, &ss[1])?,
+            DeviceBuffer::<f32>::zeros(16, &ss[1])?,
+        );
+        let mut outs: Vec<DeviceBuffer<f32>> = Vec::new();
+        for st in [&ss[0], &ss[0], &ss[1], &ss[1]] {
+            outs.push(DeviceBuffer::zeros(32, st)?);
+        }
+        let [oa0, ob0, oa1, ob1] = &mut outs[..] else {
+            return Err("four outputs".into());
+        };
+        let gathers = s.count("ncclAllGather");
+        let r0 = comms[0].register(&mut a0)?;
+        let r1 = comms[1].register(&mut a1)?;
+        let grouped = group(|g| {
+            g.all_gather(&comms[0], r0.view(), &mut *oa0, &ss[0])?;
+            g.all_gather(&comms[0], &b0, &mut *ob0, &ss[0])?;
+            g.all_gather(&comms[1], r1.view(), &mut *oa1, &ss[1])?;
+            g.all_gather(&comms[1], &b1, &mut *ob1, &ss[1])
+        });
+        match (policy, grouped) {
+            (handoff::CtaPolicy::Default, Ok(())) => {}
+            (handoff::CtaPolicy::Efficiency, Err(Error::InvalidArgument(m)))
+                if m.contains("registered memory") =>
+            {
+                println!("efficiency: refused: {m}");
+                if s.count("ncclAllGather") != gathers {
+                    return Err("the refused group reached NCCL".into());
+                }
+                // Each in a group of its own (one per rank pair): posted.
+                group(|g| {
+                    g.all_gather(&comms[0], r0.view(), &mut *oa0, &ss[0])?;
+                    g.all_gather(&comms[1], r1.view(), &mut *oa1, &ss[1])
+                })?;
+                group(|g| {
+                    g.all_gather(&comms[0], &b0, &mut *ob0, &ss[0])?;
+                    g.all_gather(&comms[1], &b1, &mut *ob1, &ss[1])
+                })?;
+            }
+            (p, other) => return Err(format!("{p:?}: {other:?}").into()),
+        }
+        if s.count("ncclAllGather") != gathers + 4 {
+            return Err(format!(
+                "{p:?}: {} all_gathers reached NCCL, want 4",
+                s.count("ncclAllGather") - gathers,
+                p = policy
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
 /// A forgotten registration (`mem::forget`, safe) leaves its communicator's key on the buffer.
 /// Once that communicator is gone, a new one whose state lands at the same address must not
 /// count the buffer as registered with it: NCCL never registered it there. [`Trap`] makes the
@@ -618,6 +699,10 @@ fn main() {
         trial(
             "a_window_on_a_two_rank_init_all_communicator_is_refused",
             window_on_a_clique_refused,
+        ),
+        trial(
+            "registered_all_gathers_grouped_are_refused_only_where_the_layout_can_pick_the_algorithm",
+            layout_dependent_merges,
         ),
         Trial::test(
             "an_nccl_without_the_functions_is_unsupported_not_a_crash",

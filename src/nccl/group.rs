@@ -14,10 +14,12 @@ use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, usable};
 use crate::nccl::fp8::{self, Use};
+use crate::nccl::options;
 use crate::nccl::state::{Cut, State};
 use crate::nccl::types::NcclType;
 use crate::nccl::verify::local::{self, LocalRank};
 use crate::nccl::verify::model::{self, Call};
+use crate::nccl::verify::order;
 use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, P2P, REGISTERED};
 use crate::nccl::verify::{self, CollOps, Failure, PairOps};
 use crate::result::nccl as nc;
@@ -436,6 +438,36 @@ impl<'a> Group<'a> {
         self.firsts.iter().map(|(c, _)| *c)
     }
 
+    /// Refuses a group in which NCCL may pick a collective's algorithm by how this rank laid out
+    /// its registered memory ([`order::layout_dependent_merge`]), where NCCL's settings let it
+    /// ([`options::algorithm_may_follow_layout`]): verification compares what each rank
+    /// posts, not that layout, so two ranks could run equal, verified groups differently.
+    fn check_layout_choice(&self) -> Result<()> {
+        for c in self.comms() {
+            let descs: SmallVec<[CollDesc; 4]> = self
+                .colls
+                .iter()
+                .filter(|o| std::ptr::eq(o.comm, c))
+                .map(|o| o.desc)
+                .collect();
+            let Some(d) = order::layout_dependent_merge(&descs) else {
+                continue;
+            };
+            if options::algorithm_may_follow_layout(&c.options()) {
+                return Err(Error::InvalidArgument(format!(
+                    "this group holds {} beside another collective of its kind and type: NCCL \
+                     may merge them and, under the efficiency CTA policy or a tuner \
+                     plugin with NVLS on, choose the merge's algorithm by whether one \
+                     registration covers it, which differs between ranks whose buffers are laid \
+                     out differently and which verification cannot compare. Post each such \
+                     collective in a group of its own, or set NCCL_NVLS_ENABLE=0",
+                    d.describe()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Operations whose counterpart must be in this group (sends to oneself, and anything
     /// between ranks of one `init_all`, which one thread drives), collectives' parts included,
     /// matched here, before anything is published or posted, whether or not the communicator
@@ -533,6 +565,7 @@ impl<'a> Group<'a> {
         let mut queued = SmallVec::new();
         self.queued(&mut queued);
         self.check_local(&queued)?;
+        self.check_layout_choice()?;
         self.verify(&comms, &queued)?;
         // Verified: each operation is now in the peers' order. From here until NCCL has the
         // group, any failure (or panic) must break every communicator of the group, or their

@@ -175,9 +175,66 @@ pub(crate) fn note_nccl_environment() {
     FIRST_SPLIT_SHARE.get_or_init(|| std::env::var(SPLIT_SHARE).ok());
 }
 
+/// Whether NCCL, as this process and `options` set it up, may pick NVLS for a merge of a
+/// group's collectives by whether one registration covers the merge (see
+/// `verify::order::layout_dependent_merge`): NVLS not turned off (`NCCL_NVLS_ENABLE=0`), and
+/// the efficiency CTA policy (the options or `NCCL_CTA_POLICY`, which ranks must set alike)
+/// or a tuner plugin (`NCCL_TUNER_PLUGIN`, or a plugin library NCCL loaded: NCCL 2.28 looks for
+/// a tuner in `libnccl-tuner.so` and in the net plugin). Unknown values count as yes.
+pub(crate) fn algorithm_may_follow_layout(options: &CommOptions) -> bool {
+    let var = |k: &str| {
+        std::env::var(k)
+            .ok()
+            .map(|v| v.trim().to_ascii_uppercase())
+            .filter(|v| !v.is_empty())
+    };
+    if var("NCCL_NVLS_ENABLE").as_deref() == Some("0") {
+        return false;
+    }
+    let efficiency = options.cta_policy() == Some(CtaPolicy::Efficiency)
+        || var("NCCL_CTA_POLICY").is_some_and(|v| !matches!(v.as_str(), "0" | "2" | "DEFAULT" | "ZERO"));
+    let tuner = var("NCCL_TUNER_PLUGIN").is_some_and(|v| v != "NONE")
+        || var("NCCL_NET_PLUGIN").is_some_and(|v| v != "NONE")
+        || ["libnccl-tuner.so", "libnccl-net.so"].into_iter().any(loaded);
+    efficiency || tuner
+}
+
+/// Whether the shared library `name` is loaded in this process (nothing is loaded to tell).
+fn loaded(name: &str) -> bool {
+    // glibc's RTLD_NOLOAD: answer only for a library already loaded.
+    const RTLD_NOLOAD: std::ffi::c_int = 4;
+    // SAFETY: with RTLD_NOLOAD, dlopen loads nothing and runs no initialiser: it only takes a
+    // reference to a library already loaded (which the handle's drop gives back) or fails.
+    unsafe { libloading::os::unix::Library::open(Some(name), libloading::os::unix::RTLD_LAZY | RTLD_NOLOAD) }
+        .is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_efficiency_policy_or_a_tuner_lets_the_layout_choose() {
+        // The environment of this test process: no NCCL_* variable of these is set in CI.
+        for k in [
+            "NCCL_NVLS_ENABLE",
+            "NCCL_CTA_POLICY",
+            "NCCL_TUNER_PLUGIN",
+            "NCCL_NET_PLUGIN",
+        ] {
+            if std::env::var_os(k).is_some() {
+                return;
+            }
+        }
+        assert!(!algorithm_may_follow_layout(&CommOptions::default()));
+        assert!(!algorithm_may_follow_layout(
+            &CommOptions::default().with_cta_policy(CtaPolicy::Zero)
+        ));
+        assert!(algorithm_may_follow_layout(
+            &CommOptions::default().with_cta_policy(CtaPolicy::Efficiency)
+        ));
+        assert!(!loaded("libhandoff-no-such-library.so"));
+    }
 
     #[test]
     fn verified_by_default_in_every_profile() {

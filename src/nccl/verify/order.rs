@@ -87,6 +87,31 @@ fn sort_as_nccl(ops: &mut [CollDesc], world: usize) {
     }
 }
 
+/// A collective of one group whose algorithm NCCL may choose by how this rank laid out its
+/// registered memory, if any: an all_gather or reduce_scatter with registered memory (bits 2
+/// and 3 of [`CollDesc::nccl_memory`]) in a list (function, reduction, type) of two or more of
+/// the group. `ncclPrepareTasks` merges a list's neighbours within 4x of each other's traffic
+/// and, under the efficiency CTA policy or a tuner plugin, `getAlgoInfo` picks NVLS for a
+/// merge only where one registration covers its whole range from the first task's buffer
+/// (`ncclRegFind`, src/enqueue.cc at v2.28.3-1): two ranks whose registered buffers are laid
+/// out differently then run equal, verified groups with different algorithms. Verification does
+/// not compare layouts; [`crate::nccl::group`] refuses such a group where that choice is
+/// possible.
+pub(crate) fn layout_dependent_merge(ops: &[CollDesc]) -> Option<&CollDesc> {
+    const REGISTERED_BITS: u8 = 0b1100;
+    let merged =
+        |c: &CollDesc| matches!(c.kind, CollKind::AllGather | CollKind::ReduceScatter) && c.count > 0;
+    ops.iter().find(|c| {
+        merged(c)
+            && c.nccl_memory & REGISTERED_BITS != 0
+            && ops
+                .iter()
+                .filter(|d| merged(d) && sort_list(d) == sort_list(c))
+                .nth(1)
+                .is_some()
+    })
+}
+
 /// `ncclTaskCollSorterInsert`'s bin before its reversal: `u32fpEncode(min(traffic, 1 GiB) >>
 /// 10, 2)` (src/include/bitops.h).
 fn traffic_bin(c: &CollDesc, world: usize) -> u32 {
@@ -142,4 +167,35 @@ fn sort_list(c: &CollDesc) -> List {
         }
     };
     (c.kind as u8, op, dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gather(count: u64, dtype: u32, registered: bool) -> CollDesc {
+        CollDesc {
+            kind: CollKind::AllGather,
+            dtype,
+            redop: crate::nccl::verify::wire::NONE,
+            nccl_memory: if registered { 0b0100 } else { 0 },
+            ..CollDesc::f32_sum(count)
+        }
+    }
+
+    #[test]
+    fn a_registered_all_gather_beside_another_of_its_list_is_layout_dependent() {
+        let f32s = gather(16, 7, false).dtype;
+        let (reg, plain) = (gather(16, f32s, true), gather(64, f32s, false));
+        assert!(layout_dependent_merge(&[reg, plain]).is_some());
+        assert!(layout_dependent_merge(&[plain, reg]).is_some());
+        // Alone, unregistered, or beside an all_reduce: nothing for the layout to choose.
+        assert!(layout_dependent_merge(&[reg]).is_none());
+        assert!(layout_dependent_merge(&[plain, plain]).is_none());
+        assert!(layout_dependent_merge(&[reg, CollDesc::f32_sum(16)]).is_none());
+        // all_gathers are one list whatever the type (bytes of ncclInt8), and count 0 is not
+        // queued.
+        assert!(layout_dependent_merge(&[reg, gather(16, 0, false)]).is_some());
+        assert!(layout_dependent_merge(&[reg, gather(0, f32s, false)]).is_none());
+    }
 }
