@@ -86,6 +86,39 @@
 //! - On top: [`kernels`] (the article's kernels A and B), `interop` (cudarc, feature `cudarc`).
 //!   ARCHITECTURE.md draws the layers and how a send travels through them.
 //!
+//! # Element types
+//! Buffers hold any [`NcclType`]: the integers, `f32`, `f64`, [`half::f16`] and [`half::bf16`],
+//! and with the feature `float8`, `float8::F8E4M3` and `float8::F8E5M2` (NCCL 2.24.3+). Both
+//! crates are re-exported (`handoff::half`, `handoff::float8`), so a program names these types
+//! through handoff and never has to match the version handoff was built with:
+//!
+//! ```
+//! use handoff::half::bf16;
+//! fn is_nccl_type<T: handoff::NcclType>() {}
+//! is_nccl_type::<bf16>();
+//! ```
+//!
+//! # Tracing
+//! With the feature `tracing` (off by default; without it no `tracing` code is compiled),
+//! handoff emits [`tracing`](https://docs.rs/tracing) events to the application's subscriber,
+//! each with its fields:
+//! - `INFO` when a communicator is made: `rank`, `world`, `device`, `verified`, `blocking`,
+//!   how long NCCL's creation took (`nccl_init`) and the whole (`elapsed`); `init_all` once per
+//!   rank.
+//! - `DEBUG` when a verification had to wait for a peer (`peers`, `waited`); `WARN` when it
+//!   fails: a mismatch (`detail`), a timeout (`peer`, `waited`, `what`), a broken peer.
+//! - `WARN` when a communicator is aborted on an error (`rank`, `device`, `timeout` whether it was
+//!   a timeout, `reason`), `INFO` when the program aborts it; `ERROR` when the watchdog aborts one
+//!   (`rank`, `device`, `timeout` or `panicked`, `reason`). `TRACE`: each look of the watchdog at
+//!   a communicator with queued work.
+//! - `DEBUG` when a graph capture begins (`device`, `stream`, `nccl`) and ends (`streams`, the
+//!   capture's stream and those joined to it; `buffers`, the tracked buffers it uses;
+//!   the capture's success, `ok`), within a `DEBUG` span `graph_capture` around the closure (its
+//!   busy time is the closure's).
+//!
+//! `HANDOFF_WATCHDOG_LOG=1` is kept as it was: the watchdog's looks go to stderr, with or
+//! without the feature.
+//!
 //! # Threads
 //! [`Stream`], [`Event`], [`Device`] and [`DeviceBuffer`] are `Send` and `Sync`: the CUDA
 //! runtime lets any thread use them, and a buffer's bookkeeping is behind a mutex.
@@ -331,6 +364,15 @@ pub mod kernels;
 pub mod nccl;
 pub mod result;
 pub mod sys;
+mod trace;
+
+/// The `half` crate that handoff's [`half::f16`] and [`half::bf16`] element types come from.
+pub use half;
+
+/// The `float8` crate that handoff's fp8 element types ([`float8::F8E4M3`],
+/// [`float8::F8E5M2`]) come from (feature `float8`).
+#[cfg(feature = "float8")]
+pub use float8;
 
 pub use cuda::{
     ByValue, Device, DeviceBuffer, Event, Function, Graph, HostBuffer, KernelArg, LaunchBuilder,

@@ -97,6 +97,7 @@ use crate::engine::{self, CaptureState, Captured, Keep, Replay, Tracked, Tracked
 use crate::error::{Error, Result};
 use crate::result::cudart as cu;
 use crate::sys::cudart::cudaGraphExec_t;
+use crate::trace;
 
 /// Work captured on a stream once and replayed with one launch: the host cost of a replay is
 /// one `cudaGraphLaunch` and handoff's tracking, whatever the number of operations inside.
@@ -356,12 +357,29 @@ impl Graph {
             unsafe { cu::stream_begin_capture(stream.as_raw()) }?;
             state.capture = Some(CaptureState::new(stream.device(), comm.as_ref().map(|c| c.key())));
         }
+        trace::event!(
+            debug,
+            device = stream.device().ordinal(),
+            stream = stream.id().0,
+            nccl = comm.is_some(),
+            "handoff: graph capture begins"
+        );
         let capturing = Capturing { stream, ended: false };
         let ran = {
+            let _span = trace::entered!(DEBUG, "graph_capture", stream = stream.id().0);
             let _here = engine::CapturingHere::enter();
             body(stream, comm.as_deref())
         };
         let (graph, captured) = capturing.end(ran.is_ok().then_some(&*replayed));
+        trace::event!(
+            debug,
+            device = stream.device().ordinal(),
+            stream = stream.id().0,
+            streams = 1 + captured.forked.len(),
+            buffers = captured.uses.uses().len(),
+            ok = ran.is_ok() && graph.is_ok(),
+            "handoff: graph capture ends"
+        );
         let graph = match (ran, graph) {
             (Ok(()), Ok(g)) => g,
             (ran, graph) => {

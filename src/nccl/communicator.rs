@@ -23,6 +23,7 @@ use crate::nccl::verify::setup::settle;
 use crate::nccl::watchdog;
 use crate::result::nccl as nc;
 use crate::sys::nccl::{ncclComm_t, ncclResult_t};
+use crate::trace;
 
 /// One rank of an NCCL communicator, bound to one GPU.
 ///
@@ -152,8 +153,22 @@ impl Communicator {
             let r = unsafe { nc::wait_ready(raw, "ncclCommInitRankConfig", started, options.timeout()) };
             comm.fail_on(r)?;
         }
+        // How long NCCL took, apart from settling verification (read only for the event).
+        #[cfg_attr(not(feature = "tracing"), allow(unused_variables))]
+        let nccl_init = started.elapsed();
         let r = comm.settle_verification();
         comm.fail_on(r)?;
+        trace::event!(
+            info,
+            rank,
+            world,
+            device = device.ordinal(),
+            verified = comm.boxes.is_some(),
+            blocking = options.blocking(),
+            nccl_init = ?nccl_init,
+            elapsed = ?started.elapsed(),
+            "handoff: communicator created"
+        );
         Ok(comm)
     }
 
@@ -244,6 +259,22 @@ impl Communicator {
             return Err(e);
         }
         form_clique(comms.iter_mut().collect());
+        trace::with_tracing! {
+            let elapsed = started.elapsed();
+            for c in &comms {
+                trace::event!(
+                    info,
+                    rank = c.rank,
+                    world,
+                    device = c.device.ordinal(),
+                    verified = options.verified(),
+                    blocking = options.blocking(),
+                    nccl_init = ?elapsed,
+                    elapsed = ?elapsed,
+                    "handoff: communicator created (init_all)"
+                );
+            }
+        }
         Ok(comms)
     }
 
@@ -478,6 +509,12 @@ impl Communicator {
     /// # Errors
     /// None today; kept for NCCL's error from the abort.
     pub fn abort(&self) -> Result<()> {
+        trace::event!(
+            info,
+            rank = self.rank,
+            device = self.shared.ordinal,
+            "handoff: communicator aborted by the program"
+        );
         self.shared
             .break_with("aborted by the program".into(), Cut::Incomplete);
         Ok(())
@@ -581,6 +618,14 @@ impl Communicator {
 
     /// Marks the communicator unusable because of `e` and aborts it.
     pub(crate) fn break_with(&self, e: &Error) {
+        trace::event!(
+            warn,
+            rank = self.rank,
+            device = self.shared.ordinal,
+            timeout = matches!(e, Error::Timeout { .. }),
+            reason = %e,
+            "handoff: communicator aborted on an error"
+        );
         self.shared.break_with(e.to_string(), Cut::Incomplete);
     }
 

@@ -75,6 +75,7 @@ use crate::error::{Error, Result};
 use crate::nccl::state::{Cut, Pending, Shared, State};
 use crate::result::nccl as nc;
 use crate::sys::nccl::{ncclComm_t, ncclResult_t};
+use crate::trace;
 
 /// How often the watchdog looks. Timeouts are seconds; this bounds how late after one the abort
 /// comes.
@@ -86,7 +87,8 @@ const FRESH: Duration = Duration::from_millis(1000);
 /// How many timeouts an operation may wait, in all, for peers that are alive but busy.
 pub(crate) const PATIENCE: u32 = 10;
 
-/// `HANDOFF_WATCHDOG_LOG=1` prints each look at a communicator with queued work to stderr.
+/// `HANDOFF_WATCHDOG_LOG=1` prints each look at a communicator with queued work to stderr
+/// (kept beside the feature `tracing`, whose `TRACE` event is the same look).
 static LOG: once_cell::sync::Lazy<bool> =
     once_cell::sync::Lazy::new(|| std::env::var_os("HANDOFF_WATCHDOG_LOG").is_some_and(|v| v == "1"));
 
@@ -203,6 +205,14 @@ fn contained(shared: &Shared, look: impl FnOnce()) {
             shared.rank,
             panic_text(&*p)
         ));
+        trace::event!(
+            error,
+            rank = shared.rank,
+            device = shared.ordinal,
+            panicked = true,
+            reason = shared.unwatchable.get().map(String::as_str),
+            "handoff: the watchdog aborts a communicator"
+        );
         // Aborted now if the lock is free (a panic under it leaves it poisoned, not held).
         abort_unwatchable(shared);
     }
@@ -362,6 +372,13 @@ fn drain<'s>(
     let broke = |state: &mut MutexGuard<'s, State>| match gpu.comm_error(state.raw) {
         Some(e) => {
             let reason = format!("the watchdog found an NCCL error on rank {}: {e}", shared.rank);
+            trace::event!(
+                error,
+                rank = shared.rank,
+                device = shared.ordinal,
+                reason = %reason,
+                "handoff: the watchdog aborts a communicator"
+            );
             state.break_with(reason, shared.ordinal, Cut::All);
             true
         }
@@ -428,6 +445,19 @@ fn check(shared: &Shared, gpu: &impl Gpu) {
         mine.set_heartbeat(wall, held_up);
     }
     let started = state.pending.front().and_then(|p| p.started);
+    trace::with_tracing! {
+        if !state.pending.is_empty() {
+            trace::event!(
+                trace,
+                rank = shared.rank,
+                device = shared.ordinal,
+                pending = state.pending.len(),
+                held_up,
+                waiting = ?started.map(|t| now.saturating_duration_since(t)),
+                "handoff: watchdog look"
+            );
+        }
+    }
     if *LOG && !state.pending.is_empty() {
         eprintln!(
             "handoff watchdog: rank {} on device {}: {} pending, oldest held up by its stream: \
@@ -451,6 +481,14 @@ fn check(shared: &Shared, gpu: &impl Gpu) {
         "rank {}'s oldest queued operation did not complete within {:?} of becoming able to start \
          (the watchdog aborted the communicator: a peer may have died, or never run its side)",
         shared.rank, timeout
+    );
+    trace::event!(
+        error,
+        rank = shared.rank,
+        device = shared.ordinal,
+        timeout = ?timeout,
+        reason = %reason,
+        "handoff: the watchdog aborts a communicator"
     );
     state.break_with(reason, shared.ordinal, Cut::Incomplete);
 }

@@ -72,7 +72,47 @@ typedef void *out_t;
 res_t ncclAllReduce(in_t a, out_t b, size_t n, int t, int op, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)op; (void)c; (void)s; return 0; }
 res_t ncclBroadcast(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)root; (void)c; (void)s; return 0; }
 res_t ncclReduce(in_t a, out_t b, size_t n, int t, int op, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)op; (void)root; (void)c; (void)s; return 0; }
-res_t ncclAllGather(in_t a, out_t b, size_t n, int t, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)c; (void)s; return 0; }
+/* Opt-in (nccl_stub_set_gather(1)): ncclAllGather between communicators of several ranks made
+ * in one process (one thread per rank, as tests/tracing_stub.rs runs them) really gathers, so
+ * that their creation can settle verification. The call returns once every rank has made it.
+ * Off (the default), it moves nothing. */
+static _Atomic int gather_on;
+void nccl_stub_set_gather(int on) { atomic_store(&gather_on, on); }
+static pthread_mutex_t gather_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gather_cond = PTHREAD_COND_INITIALIZER;
+static void *gather_data[8];
+static int gather_arrived, gather_left, gather_busy, gather_round;
+static size_t type_size(int t) {
+    static const size_t sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1};
+    return t >= 0 && t < 12 ? sizes[t] : 1;
+}
+static void gather(in_t a, out_t b, size_t n, int t, struct comm *c) {
+    size_t bytes = n * type_size(t);
+    pthread_mutex_lock(&gather_lock);
+    while (gather_busy) pthread_cond_wait(&gather_cond, &gather_lock); /* the last round's readers */
+    gather_data[c->rank] = malloc(bytes ? bytes : 1);
+    memcpy(gather_data[c->rank], a, bytes);
+    if (++gather_arrived == c->nranks) {
+        gather_busy = 1;
+        gather_round++;
+        pthread_cond_broadcast(&gather_cond);
+    } else {
+        int round = gather_round;
+        while (gather_round == round) pthread_cond_wait(&gather_cond, &gather_lock);
+    }
+    for (int r = 0; r < c->nranks; r++) memcpy((char *)b + r * bytes, gather_data[r], bytes);
+    if (++gather_left == c->nranks) {
+        for (int r = 0; r < c->nranks; r++) free(gather_data[r]);
+        gather_arrived = gather_left = gather_busy = 0;
+        pthread_cond_broadcast(&gather_cond);
+    }
+    pthread_mutex_unlock(&gather_lock);
+}
+res_t ncclAllGather(in_t a, out_t b, size_t n, int t, struct comm *c, void *s) {
+    COUNT(); last_type = t; (void)s;
+    if (atomic_load(&gather_on) && c->nranks > 1 && c->nranks <= 8) gather(a, b, n, t, c);
+    return 0;
+}
 res_t ncclReduceScatter(in_t a, out_t b, size_t n, int t, int op, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)op; (void)c; (void)s; return 0; }
 res_t ncclAlltoAll(in_t a, out_t b, size_t n, int t, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)c; (void)s; return 0; }
 res_t ncclGather(in_t a, out_t b, size_t n, int t, int root, struct comm *c, void *s) { COUNT(); (void)a; (void)b; (void)n; last_type = t; (void)root; (void)c; (void)s; return 0; }

@@ -40,6 +40,8 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
+use crate::trace;
+
 use mailbox::{BROKEN, RING, Region};
 use wire::{CollDesc, CollEntry, Dir, OpDesc, compare, compare_coll};
 
@@ -303,7 +305,56 @@ struct Done {
 /// each pair's timeout) for peers in other threads or processes. On success every operation
 /// may be posted to NCCL.
 pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(), Failure> {
-    resume(pairs, colls, &mut Progress::new(pairs, colls))
+    let mut progress = Progress::new(pairs, colls);
+    let r = resume(pairs, colls, &mut progress);
+    trace::with_tracing! {
+        report(&r, &progress, pairs, colls);
+    }
+    r
+}
+
+/// The events of one verification (feature `tracing`): a wait, if it had to wait, and a
+/// failure.
+#[cfg(feature = "tracing")]
+fn report(r: &Result<(), Failure>, progress: &Progress, pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) {
+    match r {
+        Err(Failure::Mismatch(detail)) => {
+            trace::event!(warn, detail = %detail, "handoff: verification mismatch");
+        }
+        Err(Failure::PeerBroken(peer)) => {
+            trace::event!(
+                warn,
+                peer,
+                "handoff: verification ended: the peer's communicator broke"
+            );
+        }
+        Err(Failure::Timeout { peer, waited, what }) => {
+            trace::event!(
+                warn,
+                peer,
+                waited = ?waited,
+                what = %what,
+                "handoff: verification timed out waiting for a peer"
+            );
+        }
+        Ok(()) => {}
+    }
+    if let Some(started) = progress.started {
+        // The peers it may have waited for: each pair's, and for collectives every other rank.
+        let mut peers: SmallVec<[usize; 4]> = pairs.iter().map(|p| p.peer).collect();
+        for c in colls {
+            peers.extend((0..c.boxes.regions.len()).filter(|&r| r != c.boxes.rank));
+        }
+        peers.sort_unstable();
+        peers.dedup();
+        trace::event!(
+            debug,
+            peers = ?peers.as_slice(),
+            waited = ?started.elapsed(),
+            ok = r.is_ok(),
+            "handoff: verification waited for a peer"
+        );
+    }
 }
 
 /// How far one verification got: what [`resume`] picks up.

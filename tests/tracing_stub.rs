@@ -1,0 +1,238 @@
+//! The feature `tracing`'s events, on a CPU, against the stub libraries of tests/stubs (built
+//! here with the system's C compiler): a subscriber of this test's own, installed for the whole
+//! process, collects every event into a list. Two ranks, each a thread of this process with a
+//! communicator of its own (`Communicator::new`, verified), are made: the stub NCCL's
+//! all-gather really gathers here (`nccl_stub_set_gather`), so their creation settles
+//! verification through mailbox files as two processes would. Each creation is an event. Then
+//! rank 0 sends 4 elements and rank 1 receives 3: verification refuses it on both ranks, and
+//! the mismatch is an event with its detail. A graph capture is two events, its beginning and
+//! its end.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use handoff::{Communicator, Device, DeviceBuffer, Error, Graph, Stream, UniqueId, kernels};
+use libtest_mimic::{Arguments, Failed, Trial};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Metadata, Subscriber};
+
+mod stubs;
+
+/// One event: its level, target and fields (the message under `message`), as text.
+#[derive(Debug, Clone)]
+struct Seen {
+    level: tracing::Level,
+    target: String,
+    fields: BTreeMap<String, String>,
+}
+
+impl Seen {
+    fn message(&self) -> &str {
+        self.fields.get("message").map_or("", String::as_str)
+    }
+}
+
+static SEEN: Mutex<Vec<Seen>> = Mutex::new(Vec::new());
+
+/// Collects every event into [`SEEN`]; spans get ids and nothing else.
+struct Collect {
+    next_span: AtomicU64,
+}
+
+struct Fields<'a>(&'a mut BTreeMap<String, String>);
+
+impl Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_string(), format!("{value:?}"));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().to_string(), value.to_string());
+    }
+}
+
+impl Subscriber for Collect {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &Attributes<'_>) -> Id {
+        Id::from_u64(self.next_span.fetch_add(1, Ordering::Relaxed))
+    }
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut fields = BTreeMap::new();
+        event.record(&mut Fields(&mut fields));
+        let seen = Seen {
+            level: *event.metadata().level(),
+            target: event.metadata().target().to_string(),
+            fields,
+        };
+        SEEN.lock().unwrap_or_else(|p| p.into_inner()).push(seen);
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+/// The events seen so far whose message contains `what`.
+fn seen(what: &str) -> Vec<Seen> {
+    let all = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    all.iter()
+        .filter(|s| s.message().contains(what))
+        .cloned()
+        .collect()
+}
+
+/// Calls `void name(int)` in the stub library at `lib` (left loaded: the crate opens the same).
+fn set(lib: &Path, name: &[u8], v: i32) -> Result<(), String> {
+    // SAFETY: a stub library just built: plain C with no initialisers; `name` is one of its
+    // `void f(int)` setters. The library stays loaded (leaked), so the crate's own opening of it
+    // finds the same statics.
+    unsafe {
+        let lib = Box::leak(Box::new(
+            libloading::Library::new(lib).map_err(|e| e.to_string())?,
+        ));
+        let f: libloading::Symbol<unsafe extern "C" fn(i32)> = lib.get(name).map_err(|e| e.to_string())?;
+        f(v);
+    }
+    Ok(())
+}
+
+/// Two ranks on two threads: creation, then a send of 4 against a receive of 3.
+fn creation_and_mismatch() -> Result<(), Failed> {
+    let id = UniqueId::new()?;
+    let ranks: Vec<_> = (0..2usize)
+        .map(|rank| {
+            let id = id.clone();
+            std::thread::spawn(move || -> Result<Error, String> {
+                let e = |e: Error| format!("rank {rank}: {e}");
+                let device = Device::new(rank).map_err(e)?;
+                let comm = Communicator::new(2, rank, &id, &device).map_err(e)?;
+                let stream = Stream::new(&device).map_err(e)?;
+                let got = if rank == 0 {
+                    let x = DeviceBuffer::from_slice(&[1.0f32; 4], &stream).map_err(e)?;
+                    comm.send(&x, 1, &stream)
+                } else {
+                    let mut y = DeviceBuffer::<f32>::zeros(3, &stream).map_err(e)?;
+                    comm.recv(&mut y, 0, &stream)
+                };
+                got.err()
+                    .ok_or(format!("rank {rank}: the mismatched transfer passed"))
+            })
+        })
+        .collect();
+    for (rank, t) in ranks.into_iter().enumerate() {
+        let e = t.join().map_err(|_| format!("rank {rank} panicked"))??;
+        if !matches!(e, Error::Mismatch { .. }) {
+            return Err(format!("rank {rank}: {e:?}, want Error::Mismatch").into());
+        }
+    }
+
+    let created = seen("communicator created");
+    println!("creation events: {created:#?}");
+    for rank in 0..2 {
+        let mine: Vec<_> = created
+            .iter()
+            .filter(|s| s.fields.get("rank").map(String::as_str) == Some(&rank.to_string()))
+            .collect();
+        let [one] = mine.as_slice() else {
+            return Err(format!("rank {rank}: {} creation events, want one", mine.len()).into());
+        };
+        let field = |k: &str| one.fields.get(k).map_or("", String::as_str);
+        if one.level != tracing::Level::INFO
+            || !one.target.starts_with("handoff")
+            || field("world") != "2"
+            || field("device") != rank.to_string()
+            || field("verified") != "true"
+            || field("blocking") != "true"
+            || field("elapsed").is_empty()
+            || field("nccl_init").is_empty()
+        {
+            return Err(format!("rank {rank}: creation event {one:?}").into());
+        }
+    }
+    let mismatches = seen("verification mismatch");
+    println!("mismatch events: {mismatches:#?}");
+    // Each rank compares what both posted: both see it.
+    if mismatches.len() != 2 {
+        return Err(format!("{} mismatch events, want 2", mismatches.len()).into());
+    }
+    for m in &mismatches {
+        let detail = m.fields.get("detail").map_or("", String::as_str);
+        if m.level != tracing::Level::WARN || !(detail.contains('4') && detail.contains('3')) {
+            return Err(format!("mismatch event {m:?}").into());
+        }
+    }
+    // The mismatch aborts both communicators: each abort is an event naming the error.
+    let aborted = seen("aborted on an error");
+    if aborted.len() < 2 {
+        return Err(format!("{} abort events, want 2 or more: {aborted:#?}", aborted.len()).into());
+    }
+    Ok(())
+}
+
+/// A graph capture's beginning and end are events, the end with its streams and buffers.
+fn graph_capture() -> Result<(), Failed> {
+    let device = Device::new(0)?;
+    let stream = Stream::new(&device)?;
+    let mut x = DeviceBuffer::<f32>::zeros(4, &stream)?;
+    let _graph = Graph::capture(&stream, |s| kernels::produce(&mut x, 0, s))?;
+    let begun = seen("graph capture begins");
+    let ended = seen("graph capture ends");
+    println!("capture events: {begun:#?} {ended:#?}");
+    let field = |s: &Seen, k: &str| s.fields.get(k).cloned().unwrap_or_default();
+    match (begun.as_slice(), ended.as_slice()) {
+        ([b], [e])
+            if field(b, "nccl") == "false"
+                && field(e, "streams") == "1"
+                && field(e, "buffers") == "1"
+                && field(e, "ok") == "true" =>
+        {
+            Ok(())
+        }
+        _ => Err(format!("capture events: {begun:?} {ended:?}").into()),
+    }
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let dir = std::env::temp_dir().join(format!("handoff-tracing-stubs-{}", std::process::id()));
+    let built = (|| {
+        Ok::<_, stubs::NoStubs>((
+            stubs::build(&dir, "cudart.c", "libcudart.so.13")?,
+            stubs::build(&dir, "nccl.c", "libnccl.so.2")?,
+        ))
+    })();
+    let (cudart, nccl) = match built {
+        Ok(p) => p,
+        // The GPU machine's runs need not have a C compiler; CI does.
+        Err(stubs::NoStubs::NoCompiler(e)) if std::env::var_os("HANDOFF_REQUIRE_GPUS").is_some() => {
+            println!("tracing_stub: not run here: {e}");
+            return;
+        }
+        Err(e) => panic!("the stub libraries could not be built: {}", e.text()),
+    };
+    // SAFETY: no other thread exists yet, and nothing has read the environment.
+    unsafe {
+        std::env::set_var("HANDOFF_CUDART_PATH", &cudart);
+        std::env::set_var("HANDOFF_NCCL_PATH", &nccl);
+    }
+    set(&cudart, b"cudart_stub_set_devices\0", 2).expect("stub runtime");
+    set(&nccl, b"nccl_stub_set_gather\0", 1).expect("stub NCCL");
+    tracing::subscriber::set_global_default(Collect {
+        next_span: AtomicU64::new(1),
+    })
+    .expect("the first subscriber");
+    let trials = vec![
+        Trial::test(
+            "creation_and_a_mismatch_are_events_with_their_fields",
+            creation_and_mismatch,
+        ),
+        Trial::test("a_graph_capture_is_two_events", graph_capture),
+    ];
+    let conclusion = libtest_mimic::run(&args, trials);
+    let _ = std::fs::remove_dir_all(&dir);
+    conclusion.exit()
+}
