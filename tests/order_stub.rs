@@ -102,21 +102,8 @@ fn main() {
         stubs::child_main(CHILD, || child(v));
     }
     let args = Arguments::from_args();
-    let dir = std::env::temp_dir().join(format!("handoff-order-stubs-{}", std::process::id()));
-    let built = (|| {
-        Ok::<_, stubs::NoStubs>((
-            stubs::build(&dir, "cudart.c", "libcudart.so.13")?,
-            stubs::build(&dir, "nccl.c", "libnccl.so.2")?,
-        ))
-    })();
-    let (cudart, nccl) = match built {
-        Ok(p) => p,
-        // The GPU machine's runs need not have a C compiler; CI does.
-        Err(stubs::NoStubs::NoCompiler(e)) if std::env::var_os("HANDOFF_REQUIRE_GPUS").is_some() => {
-            println!("order_stub: not run here: {e}");
-            return;
-        }
-        Err(e) => panic!("the stub libraries could not be built: {}", e.text()),
+    let Some((dir, cudart, nccl)) = stubs::build_pair("order_stub", "nccl.c") else {
+        return;
     };
     let (c, n) = (cudart.clone(), nccl.clone());
     let trials = vec![

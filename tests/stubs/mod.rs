@@ -47,6 +47,31 @@ pub fn build(dir: &Path, c: &str, so: &str) -> Result<PathBuf, NoStubs> {
     Ok(target)
 }
 
+/// The stub runtime and the stub NCCL `nccl_c` built into a folder of this process's, named
+/// after `binary`: `(folder, libcudart.so.13, libnccl.so.2)`. `None`, having said why, on the GPU
+/// machine (`HANDOFF_REQUIRE_GPUS` set) without a C compiler: its runs need none, CI has one.
+///
+/// # Panics
+/// When they cannot be built otherwise.
+#[allow(dead_code)] // Not every test binary that builds stubs builds this pair.
+pub fn build_pair(binary: &str, nccl_c: &str) -> Option<(PathBuf, PathBuf, PathBuf)> {
+    let dir = std::env::temp_dir().join(format!("handoff-{binary}-{}", std::process::id()));
+    let built = (|| {
+        Ok::<_, NoStubs>((
+            build(&dir, "cudart.c", "libcudart.so.13")?,
+            build(&dir, nccl_c, "libnccl.so.2")?,
+        ))
+    })();
+    match built {
+        Ok((cudart, nccl)) => Some((dir, cudart, nccl)),
+        Err(NoStubs::NoCompiler(e)) if std::env::var_os("HANDOFF_REQUIRE_GPUS").is_some() => {
+            println!("{binary}: not run here: {e}");
+            None
+        }
+        Err(e) => panic!("the stub libraries could not be built: {}", e.text()),
+    }
+}
+
 /// The child's side of [`run_child`]: when `role` is set, runs `body` and exits with its
 /// outcome (its error on standard error, for the parent to report); otherwise returns.
 #[allow(dead_code)] // Not every test binary that builds stubs runs a child.
