@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 fn layer(file: &str) -> Option<(usize, &'static str)> {
     const LAYERS: &[(&str, usize, &str)] = &[
         ("error.rs", 0, "error and bindings"),
+        ("trace.rs", 0, "error and bindings"),
         ("sys/", 0, "error and bindings"),
         ("result/", 1, "checked layer"),
         ("engine/", 2, "engine"),
