@@ -437,7 +437,7 @@ fn layout_dependent_merges(s: &Stubs) -> Result<(), Failed> {
         match (policy, grouped) {
             (handoff::CtaPolicy::Default, Ok(())) => {}
             (handoff::CtaPolicy::Efficiency, Err(Error::InvalidArgument(m)))
-                if m.contains("registered memory") =>
+                if m.contains("beside another collective") =>
             {
                 println!("efficiency: refused: {m}");
                 if s.count("ncclAllGather") != gathers {
