@@ -378,6 +378,7 @@ pub use cuda::{
     ByValue, Device, DeviceBuffer, Event, Function, Graph, HostBuffer, KernelArg, LaunchBuilder,
     LaunchConfig, Module, RawUse, Stream, View, ViewMut,
 };
+pub use cuda::{EventCompletion, HostRead, StreamCompletion};
 pub use error::{Error, ErrorKind, Result};
 pub use nccl::bootstrap::Launch;
 pub use nccl::{

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use common::{Gpus, assert_all_eq};
 use handoff::kernels::{self, produced_value};
 use handoff::{
-    CommOptions, Communicator, Device, DeviceBuffer, Error, Launch, NcclType, Stream, UniqueId, group,
+    CommOptions, Communicator, Device, DeviceBuffer, Error, Launch, NcclType, ReduceOp, Stream, UniqueId,
+    group,
 };
 use libtest_mimic::Failed;
 
@@ -57,7 +58,65 @@ fn main() {
             2,
             stream_of_another_device,
         ),
+        g.trial("wait_stream_async_resolves_and_times_out", 1, wait_stream_async),
     ]);
+}
+
+/// `Communicator::wait_stream_async`: 64 futures on 4 threads after an all-reduce resolve
+/// with the data in place; behind work longer than the communicator's timeout, the future ends
+/// with `Error::Timeout` within about that timeout and the communicator is aborted, as by
+/// `wait_stream`.
+fn wait_stream_async() -> Result<(), Failed> {
+    let (dev, mut comm) = one_rank()?;
+    let s = Stream::new(&dev)?;
+    let n = 1 << 16;
+    let mut x = DeviceBuffer::<f32>::zeros(n, &s)?;
+    kernels::produce(&mut x, 3, &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &s)?;
+    kernels::busy(Duration::from_millis(100), &s)?;
+    comm.all_reduce(&x, &mut y, ReduceOp::Sum, &s)?;
+    let futures: Vec<_> = (0..64).map(|_| comm.wait_stream_async(&s)).collect();
+    let mut left = futures.into_iter();
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let mine: Vec<_> = left.by_ref().take(16).collect();
+                scope.spawn(move || -> Result<Vec<handoff::Result<()>>, Failed> {
+                    let boxed = mine
+                        .into_iter()
+                        .map(|f| {
+                            Box::pin(f) as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>
+                        })
+                        .collect();
+                    common::block_on(common::join_all(boxed), Duration::from_secs(30))
+                })
+            })
+            .collect();
+        for t in threads {
+            for r in t.join().map_err(|_| "a waiter panicked")?? {
+                r?;
+            }
+        }
+        Ok::<(), Failed>(())
+    })?;
+    let got = y.to_vec(&s)?;
+    assert_all_eq("all-reduce of one rank", &got, |i| produced_value(i, 3))?;
+    comm.set_timeout(Duration::from_millis(300));
+    kernels::busy(Duration::from_secs(2), &s)?;
+    let started = Instant::now();
+    let out = common::block_on(comm.wait_stream_async(&s), Duration::from_secs(10))?;
+    let waited = started.elapsed();
+    if !matches!(out, Err(Error::Timeout { .. })) {
+        return Err(format!("2 s of work behind a 300 ms timeout gave {out:?}").into());
+    }
+    if waited > Duration::from_millis(1500) {
+        return Err(format!("the timeout of 300 ms ended the wait after {waited:?}").into());
+    }
+    if comm.broken_reason().is_none() {
+        return Err("the communicator was not aborted by the async wait's timeout".into());
+    }
+    s.synchronize()?;
+    Ok(())
 }
 
 fn one_rank() -> Result<(Device, Communicator), Failed> {

@@ -74,7 +74,85 @@ fn main() {
             2,
             buffer_of_another_device_is_rejected,
         ),
+        g.trial(
+            "async_waits_many_futures_on_threads",
+            1,
+            async_waits_many_futures_on_threads,
+        ),
     ]);
+}
+
+/// Event, stream and host-read futures, 8 threads of 96 each, behind 200 ms of GPU work: none
+/// resolves before it, all resolve after it with the data, none blocks its thread between
+/// polls (each thread parks until woken), and a timeout set shorter than the work ends its
+/// future with `Error::Timeout`.
+fn async_waits_many_futures_on_threads() -> Result<(), Failed> {
+    let (dev, s, _) = common::gpu0_two_streams()?;
+    kernels::busy(Duration::ZERO, &s)?;
+    s.synchronize()?;
+    let n = 1 << 20;
+    let mut y = DeviceBuffer::<f32>::zeros(n, &s)?;
+    let started = Instant::now();
+    kernels::busy(Duration::from_millis(200), &s)?;
+    kernels::produce(&mut y, 7, &s)?;
+    let mut host = HostBuffer::<f32>::zeros(n, &dev)?;
+    host.copy_from_device(&y, &s)?;
+    let event = Event::without_timing(&dev)?;
+    s.record(&event)?;
+    let (host, s, event) = (&host, &s, &event);
+    let results = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                scope.spawn(move || -> Result<(usize, Duration), Failed> {
+                    let mut futures: Vec<common::BoxFuture<'_, Result<usize, Error>>> = Vec::new();
+                    for i in 0..96 {
+                        futures.push(match i % 3 {
+                            0 => Box::pin(async move { event.completed().await.map(|()| 0) }),
+                            1 => Box::pin(async move { s.completion().await.map(|()| 0) }),
+                            _ => Box::pin(async move {
+                                let data = host.read_async().await?;
+                                Ok((0..data.len())
+                                    .step_by(4099)
+                                    .filter(|&i| data[i] != produced_value(i, 7))
+                                    .count())
+                            }),
+                        });
+                    }
+                    let outs = common::block_on(common::join_all(futures), Duration::from_secs(20))?;
+                    let at = started.elapsed();
+                    let mut wrong = 0;
+                    for o in outs {
+                        wrong += o?;
+                    }
+                    Ok((wrong, at))
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|_| Err("a waiter panicked".into())))
+            .collect::<Vec<_>>()
+    });
+    for r in results {
+        let (wrong, at) = r?;
+        if wrong > 0 {
+            return Err(format!("{wrong} wrong values read after the futures resolved").into());
+        }
+        if at < Duration::from_millis(190) {
+            return Err(format!("futures resolved after {at:?}, before the 200 ms of work").into());
+        }
+    }
+    println!("768 futures on 8 threads resolved after {:?}", started.elapsed());
+    kernels::busy(Duration::from_millis(300), s)?;
+    let out = common::block_on(
+        s.completion().with_timeout(Duration::from_millis(20)),
+        Duration::from_secs(5),
+    )?;
+    if !matches!(out, Err(Error::Timeout { .. })) {
+        return Err(format!("a 20 ms timeout behind 300 ms of work gave {out:?}").into());
+    }
+    common::block_on(s.completion(), Duration::from_secs(5))??;
+    Ok(())
 }
 
 fn produced(stream: &Stream, n: usize, round: u32) -> Result<DeviceBuffer<f32>, Failed> {

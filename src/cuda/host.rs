@@ -45,13 +45,17 @@
 //! much is held. Allocate large buffers once and reuse them; call [`release_cached`] when a
 //! phase that used much pinned memory is over and the device is idle.
 
+use std::future::Future;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::task::{Context, Poll};
 
 use bytemuck::Pod;
 
 use crate::cuda::buffer::{DeviceBuffer, byte_len};
+use crate::cuda::completion::{Outcome, Query, Waiting};
 use crate::cuda::view::{CopyPath, View, ViewMut, check_len, tracked_copy};
 use crate::engine::device::check_poison;
 use crate::engine::device::{Device, PooledEvent, wait_all};
@@ -423,6 +427,94 @@ pub fn release_cached(device: &Device) -> Result<usize> {
         }
     }
     first_error.map_or(Ok(freed), Err)
+}
+
+impl<T: Pod> HostBuffer<T> {
+    /// A future of the contents, to be read on the host once every copy into the buffer queued
+    /// so far has completed: the async form of [`HostBuffer::read`], which no executor thread
+    /// blocks on. It borrows the buffer as `read` does, so no copy into it can be queued
+    /// meanwhile; dropping it at any time is safe (the copies stay tracked by the buffer).
+    ///
+    /// Unbounded, like [`HostBuffer::read`] (a copy behind NCCL work is bounded by its
+    /// communicator's watchdog); [`HostRead::with_timeout`] bounds it.
+    ///
+    /// # Errors
+    /// The future's: as [`HostBuffer::read`]; [`Error::Timeout`] past a timeout set;
+    /// [`Error::Setup`] if the thread that wakes futures cannot be started.
+    pub fn read_async(&self) -> HostRead<'_, T> {
+        // As `read`: the last write queued so far covers every earlier one, and none can be
+        // queued while the future borrows `self`.
+        let (waits, last) = {
+            let t = self.tracked.lock();
+            let waits: Vec<_> = t.waits(host(), Access::Read).cloned().collect();
+            (waits, t.last_write().cloned())
+        };
+        HostRead {
+            buf: self,
+            wait: Waiting::new(waits.into_iter().map(|e| e as Arc<dyn Query>), None),
+            last,
+            timeout: None,
+        }
+    }
+}
+
+/// A future of a [`HostBuffer`]'s contents ([`HostBuffer::read_async`]), resolving to the
+/// [`HostRef`] that [`HostBuffer::read`] returns.
+#[must_use = "a future does nothing unless awaited or polled"]
+pub struct HostRead<'a, T: Pod> {
+    buf: &'a HostBuffer<T>,
+    wait: Waiting,
+    /// The last write when the future was made, whose abort the read reports.
+    last: Option<Arc<PooledEvent>>,
+    timeout: Option<std::time::Duration>,
+}
+
+impl<T: Pod> std::fmt::Debug for HostRead<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRead")
+            .field("buffer", self.buf)
+            .field("wait", &self.wait)
+            .finish()
+    }
+}
+
+impl<'a, T: Pod> HostRead<'a, T> {
+    /// Ends the wait with [`Error::Timeout`] if the copies have not completed within `timeout`
+    /// of now.
+    pub fn with_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.wait.bound(std::time::Instant::now() + timeout);
+        self.timeout = Some(timeout);
+        self
+    }
+}
+
+impl<'a, T: Pod> Future for HostRead<'a, T> {
+    type Output = Result<HostRef<'a, T>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match this.wait.poll(cx, None) {
+            Poll::Ready(Ok(Outcome::Complete)) => {
+                let buf = this.buf;
+                let checked = check_poison(this.last.as_deref())
+                    .and_then(|()| check_poison(buf.filled_from.as_deref()));
+                Poll::Ready(checked.map(|()| {
+                    // SAFETY: as in `read`: `len` elements of `T` owned by the buffer, valid for
+                    // any bit pattern; every copy into it queued before the future was made has
+                    // completed, and none can have been queued since (it is borrowed shared for
+                    // `'a`).
+                    let slice = unsafe { std::slice::from_raw_parts(buf.ptr, buf.len) };
+                    HostRef { slice }
+                }))
+            }
+            Poll::Ready(Ok(Outcome::Expired)) => Poll::Ready(Err(Error::Timeout {
+                what: "the async read of a host buffer".into(),
+                after: this.timeout.unwrap_or_default(),
+            })),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 /// A [`HostBuffer`]'s contents, read on the host: from [`HostBuffer::read`], which waited for

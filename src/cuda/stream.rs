@@ -338,6 +338,9 @@ impl Stream {
 /// query, and, between two of them, a GPU-side timer.
 pub struct Event {
     raw: cudaEvent_t,
+    /// Owns `raw`: shared with the async waits on the event (`cuda::completion`), so that the
+    /// handle outlives every query of it, whenever the `Event` itself is dropped.
+    pub(crate) owned: Arc<OwnedEvent>,
     device: Device,
     timing: bool,
     /// The graph capture its last record was made in, if it was; held across every record
@@ -360,10 +363,20 @@ impl std::fmt::Debug for Event {
     }
 }
 
-impl Drop for Event {
+/// An [`Event`]'s handle, destroyed when its last holder (the event, or an async wait on it)
+/// lets go.
+pub(crate) struct OwnedEvent(pub(crate) cudaEvent_t);
+
+// SAFETY: CUDA events may be used from any host thread.
+unsafe impl Send for OwnedEvent {}
+// SAFETY: the only operations on a shared handle are thread-safe runtime calls.
+unsafe impl Sync for OwnedEvent {}
+
+impl Drop for OwnedEvent {
     fn drop(&mut self) {
-        // SAFETY: owned handle; a pending event is released by the runtime once it completes.
-        let _ = unsafe { cu::event_destroy(self.raw) };
+        // SAFETY: owned handle, destroyed once; a pending event is released by the runtime once
+        // it completes.
+        let _ = unsafe { cu::event_destroy(self.0) };
     }
 }
 
@@ -389,6 +402,7 @@ impl Event {
         let raw = cu::event_create(timing)?;
         Ok(Event {
             raw,
+            owned: Arc::new(OwnedEvent(raw)),
             device: device.clone(),
             timing,
             captured: Mutex::new(None),

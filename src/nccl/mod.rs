@@ -38,6 +38,7 @@ mod split;
 mod state;
 mod types;
 mod verify;
+mod wait_async;
 mod watchdog;
 
 pub use collective::ReduceOp;
@@ -50,3 +51,4 @@ pub use register::{Registration, Window};
 pub use types::NcclType;
 #[doc(hidden)]
 pub use verify::rehearsal;
+pub use wait_async::CommCompletion;

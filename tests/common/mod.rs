@@ -333,3 +333,59 @@ pub fn both_ok<T>(results: [Result<T, String>; 2]) -> Result<[T; 2], Failed> {
             .into()),
     }
 }
+
+/// A waker that unparks the thread that made it.
+struct Unpark(std::thread::Thread);
+
+impl std::task::Wake for Unpark {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Runs `f` on this thread, parking between polls (the async GPU tests' executor: no runtime
+/// dependency); an error if it is not done within `limit`.
+pub fn block_on<F: std::future::Future>(f: F, limit: Duration) -> Result<F::Output, Failed> {
+    let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    let end = std::time::Instant::now() + limit;
+    loop {
+        if let std::task::Poll::Ready(out) = f.as_mut().poll(&mut cx) {
+            return Ok(out);
+        }
+        let now = std::time::Instant::now();
+        if now >= end {
+            return Err(format!("a future was not done within {limit:?}").into());
+        }
+        std::thread::park_timeout(end - now);
+    }
+}
+
+/// A boxed future, for lists of futures of several kinds.
+pub type BoxFuture<'f, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'f>>;
+
+/// Every future of `futures` polled until all are done, their outputs in order.
+pub fn join_all<'f, T: 'f>(futures: Vec<BoxFuture<'f, T>>) -> impl std::future::Future<Output = Vec<T>> + 'f {
+    let mut slots: Vec<_> = futures.into_iter().map(Some).collect();
+    let mut outs: Vec<Option<T>> = slots.iter().map(|_| None).collect();
+    std::future::poll_fn(move |cx| {
+        let mut pending = false;
+        for (slot, out) in slots.iter_mut().zip(outs.iter_mut()) {
+            if let Some(f) = slot {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        *out = Some(v);
+                        *slot = None;
+                    }
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(outs.iter_mut().map(|o| o.take().expect("done")).collect())
+        }
+    })
+}
