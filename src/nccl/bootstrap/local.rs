@@ -221,35 +221,37 @@ pub fn spawn_local_with(
         (None, None) => Some(Secret::random_hex().map_err(|e| fail(format!("cannot draw a secret: {e}")))?),
         _ => None,
     };
-    (0..world)
-        .map(|rank| {
-            let mut cmd = std::process::Command::new(&exe);
-            cmd.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", master.ip().to_string())
-                .env("MASTER_PORT", master.port().to_string());
-            if let Some(s) = &secret {
-                cmd.env(SECRET_VAR, s);
+    // Built as the ranks start: on an error (or a panic in `configure`) the job holding the
+    // ranks started so far drops, which kills and reaps them.
+    let mut job = LocalJob {
+        children: Vec::with_capacity(world),
+        forwarders: Vec::new(),
+    };
+    for rank in 0..world {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("MASTER_ADDR", master.ip().to_string())
+            .env("MASTER_PORT", master.port().to_string());
+        if let Some(s) = &secret {
+            cmd.env(SECRET_VAR, s);
+        }
+        if share {
+            cmd.env(SHARE_GPUS_VAR, "1");
+            // Set here, before the child runs, so that it never has to write its own
+            // environment.
+            for (k, v) in rank_env(rank, |k| std::env::var(k).ok()) {
+                cmd.env(k, v);
             }
-            if share {
-                cmd.env(SHARE_GPUS_VAR, "1");
-                // Set here, before the child runs, so that it never has to write its own
-                // environment.
-                for (k, v) in rank_env(rank, |k| std::env::var(k).ok()) {
-                    cmd.env(k, v);
-                }
-            }
-            configure(rank, &mut cmd);
-            cmd.spawn()
-                .map_err(|e| fail(format!("cannot start rank {rank}: {e}")))
-        })
-        // On an error the job collected so far drops, which kills its ranks.
-        .collect::<Result<Vec<_>>>()
-        .map(|children| LocalJob {
-            children,
-            forwarders: Vec::new(),
-        })
+        }
+        configure(rank, &mut cmd);
+        let child = cmd
+            .spawn()
+            .map_err(|e| fail(format!("cannot start rank {rank}: {e}")))?;
+        job.children.push(child);
+    }
+    Ok(job)
 }
 
 /// The error of starting or watching a local job's processes (as before the job handle: no
@@ -274,6 +276,7 @@ fn job_error(detail: String) -> Error {
 /// rank outlives its handle, as a zombie or running; [`LocalJob::into_children`] gives them up
 /// instead.
 #[derive(Debug)]
+#[must_use = "dropping a LocalJob kills its ranks"]
 pub struct LocalJob {
     children: Vec<std::process::Child>,
     /// The threads of [`LocalJob::prefix_output`], joined once the ranks have exited.
@@ -367,6 +370,20 @@ fn read_all(mut pipe: impl std::io::Read + Send + 'static) -> Result<std::thread
             bytes
         })
         .map_err(|e| job_error(format!("cannot start a thread to read a rank's output: {e}")))
+}
+
+/// `handle`'s result once its thread ends, or `None` when it has not by `until` (it is then left
+/// running, detached) or panicked.
+fn joined_by<T>(handle: std::thread::JoinHandle<T>, until: Option<std::time::Instant>) -> Option<T> {
+    if let Some(until) = until {
+        while !handle.is_finished() {
+            if std::time::Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+    handle.join().ok()
 }
 
 /// Copies `pipe` line by line to `sink`, each line prefixed `[rank r] ` and ended by a
@@ -481,7 +498,9 @@ impl LocalJob {
 
     /// Waits for every rank to exit, reading what each piped to stdout and stderr meanwhile
     /// (the pipes still in the children), for at most `timeout`; returns every rank's status
-    /// and output, successful or not ([`JobExit::check`] turns failures into an error).
+    /// and output, successful or not ([`JobExit::check`] turns failures into an error). Output
+    /// a process started by a rank still writes into its pipe after the rank exited is read
+    /// until the deadline (at least half a second after the last rank exited), then cut.
     ///
     /// # Errors
     /// [`Error::RanksFailed`] with `after` set (its [`kind`](Error::kind) is
@@ -533,13 +552,20 @@ impl LocalJob {
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        // Every rank has exited: the pipes reach their ends (unless a process the rank started
-        // holds them still).
+        // Every rank has exited: the pipes reach their ends, unless a process a rank started
+        // holds them still. Under a deadline the threads reading them get what is left of it
+        // (at least half a second), then are left to finish alone, their output cut there.
+        let until = timeout.map(|t| {
+            let now = std::time::Instant::now();
+            now + t
+                .saturating_sub(start.elapsed())
+                .max(std::time::Duration::from_millis(500))
+        });
         for f in self.forwarders.drain(..) {
-            let _ = f.join();
+            let _ = joined_by(f, until);
         }
         let text = |r: Option<std::thread::JoinHandle<Vec<u8>>>| {
-            r.and_then(|h| h.join().ok())
+            r.and_then(|h| joined_by(h, until))
                 .map(|b| String::from_utf8_lossy(&b).into_owned())
                 .unwrap_or_default()
         };
@@ -696,6 +722,13 @@ mod tests {
                 std::process::exit(0);
             }
             "fail" => std::process::exit(3),
+            "grandchild" => {
+                // A process of its own that keeps the rank's stdout and stderr open after the
+                // rank exits.
+                std::process::Command::new("sleep").arg("30").spawn().unwrap();
+                println!("started a grandchild");
+                std::process::exit(0);
+            }
             _ => {
                 std::thread::sleep(Duration::from_secs(120));
                 std::process::exit(0);
@@ -743,11 +776,51 @@ mod tests {
     }
 
     #[test]
+    fn output_a_rank_left_to_a_process_of_its_own_is_cut_at_the_deadline() {
+        let started = Instant::now();
+        let exit = job(&["grandchild"]).wait_timeout(Duration::from_secs(2)).unwrap();
+        let took = started.elapsed();
+        // The grandchild holds the pipes for 30 s: the wait ends near the deadline anyway.
+        assert!(took < Duration::from_secs(10), "{took:?}");
+        assert!(exit.success(), "{exit:?}");
+    }
+
+    /// The processes whose environment has `HANDOFF_JOB_TEST_TAG=tag`.
+    fn tagged(tag: &str) -> Vec<u32> {
+        let want = format!("HANDOFF_JOB_TEST_TAG={tag}");
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/environ"))
+                    .is_ok_and(|env| env.split(|&b| b == 0).any(|v| v == want.as_bytes()))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_rank_that_cannot_start_ends_the_ranks_started_before_it() {
+        let tag = format!("{}-{:?}", std::process::id(), Instant::now());
+        let r = spawn_local(3, |rank, cmd| {
+            cmd.args(["--exact", "nccl::bootstrap::local::tests::job_child_role"])
+                .env(ROLE_VAR, "sleep")
+                .env("HANDOFF_JOB_TEST_TAG", &tag)
+                .stdout(std::process::Stdio::null());
+            if rank == 2 {
+                cmd.current_dir("/nonexistent/handoff-job-test");
+            }
+        });
+        assert!(r.is_err());
+        // Killed and reaped before the error returned.
+        assert_eq!(tagged(&tag), Vec::<u32>::new());
+    }
+
+    #[test]
     fn past_the_deadline_the_ranks_still_running_are_killed_and_named() {
         let j = job(&["ok", "sleep", "sleep"]);
         let pids: Vec<u32> = j.children().iter().map(|c| c.id()).collect();
         let started = Instant::now();
-        let e = j.wait_timeout(Duration::from_millis(1500)).unwrap_err();
+        let e = j.wait_timeout(Duration::from_secs(3)).unwrap_err();
         assert!(
             started.elapsed() < Duration::from_secs(20),
             "{:?}",
@@ -760,7 +833,7 @@ mod tests {
         );
         assert!(
             e.to_string()
-                .contains("(ranks 1, 2) still ran after 1.5s and were killed"),
+                .contains("(ranks 1, 2) still ran after 3s and were killed"),
             "{e}"
         );
         // Killed and reaped: no process, not even a zombie, is left.
