@@ -396,12 +396,13 @@ impl Error {
     /// Whether the communicator of the call that returned this error can still be used, as far
     /// as the variant alone tells:
     ///
-    /// - `Some(false)` for [`Error::CommunicatorUnusable`], [`Error::PeerBroken`] and
-    ///   [`Error::Timeout`]: handoff returns these only for a communicator it has aborted (or
-    ///   found aborted). Every later call on it returns [`Error::CommunicatorUnusable`]; make new
-    ///   communicators on every rank.
+    /// - `Some(false)` for [`Error::CommunicatorUnusable`] and [`Error::PeerBroken`]: handoff
+    ///   returns these only for a communicator it has aborted (or found aborted). Every later
+    ///   call on it returns [`Error::CommunicatorUnusable`]; make new communicators on every rank.
     /// - `None` where it depends on the call; [`Communicator::broken_reason`] then says for
-    ///   certain. [`Error::Mismatch`] aborts the communicators when verification of a send,
+    ///   certain. [`Error::Timeout`] aborts the communicator whose wait ran out, which is not
+    ///   always the one the call was made on (a split's timeout can be its child's), and an
+    ///   async wait on a stream or an event involves none. [`Error::Mismatch`] aborts the communicators when verification of a send,
     ///   receive or collective finds it (the usual case), not when a window registration's
     ///   exchange does; [`Error::Nccl`], [`Error::Cuda`], [`Error::Setup`], [`Error::Capture`],
     ///   [`Error::InvalidArgument`] and [`Error::Unsupported`] abort it when they arise while an
@@ -413,10 +414,9 @@ impl Error {
     /// [`Communicator::broken_reason`]: crate::Communicator::broken_reason
     pub fn communicator_usable(&self) -> Option<bool> {
         match self {
-            Error::CommunicatorUnusable { .. } | Error::PeerBroken { .. } | Error::Timeout { .. } => {
-                Some(false)
-            }
-            Error::Mismatch { .. }
+            Error::CommunicatorUnusable { .. } | Error::PeerBroken { .. } => Some(false),
+            Error::Timeout { .. }
+            | Error::Mismatch { .. }
             | Error::Nccl { .. }
             | Error::Cuda { .. }
             | Error::Setup { .. }
@@ -798,7 +798,7 @@ mod tests {
             what: "w".into(),
             after: std::time::Duration::from_secs(1),
         };
-        assert_eq!(t.communicator_usable(), Some(false));
+        assert_eq!(t.communicator_usable(), None);
         assert!(t.is_timeout());
     }
 
