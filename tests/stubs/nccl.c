@@ -2,6 +2,8 @@
  * ncclSuccess at once and counting its calls (count.h). Moves no data. */
 #include <stdio.h>
 #include <dlfcn.h>
+#include <errno.h>
+#include <time.h>
 #include <stdlib.h>
 #include "count.h"
 
@@ -86,10 +88,21 @@ static size_t type_size(int t) {
     static const size_t sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2, 1, 1};
     return t >= 0 && t < 12 ? sizes[t] : 1;
 }
+/* Waits on gather_cond until `deadline`; past it the other ranks are not coming (one failed
+ * before its all-gather): the test process ends, loudly, rather than hang. */
+static void gather_wait(const struct timespec *deadline) {
+    if (pthread_cond_timedwait(&gather_cond, &gather_lock, deadline) == ETIMEDOUT) {
+        fprintf(stderr, "stub NCCL: ncclAllGather waited 30 s for the other ranks; ending the test\n");
+        abort();
+    }
+}
 static void gather(in_t a, out_t b, size_t n, int t, struct comm *c) {
     size_t bytes = n * type_size(t);
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += 30;
     pthread_mutex_lock(&gather_lock);
-    while (gather_busy) pthread_cond_wait(&gather_cond, &gather_lock); /* the last round's readers */
+    while (gather_busy) gather_wait(&deadline); /* the last round's readers */
     gather_data[c->rank] = malloc(bytes ? bytes : 1);
     memcpy(gather_data[c->rank], a, bytes);
     if (++gather_arrived == c->nranks) {
@@ -98,7 +111,7 @@ static void gather(in_t a, out_t b, size_t n, int t, struct comm *c) {
         pthread_cond_broadcast(&gather_cond);
     } else {
         int round = gather_round;
-        while (gather_round == round) pthread_cond_wait(&gather_cond, &gather_lock);
+        while (gather_round == round) gather_wait(&deadline);
     }
     for (int r = 0; r < c->nranks; r++) memcpy((char *)b + r * bytes, gather_data[r], bytes);
     if (++gather_left == c->nranks) {
