@@ -102,13 +102,15 @@
 //! With the feature `tracing` (off by default; without it no `tracing` code is compiled),
 //! handoff emits [`tracing`](https://docs.rs/tracing) events to the application's subscriber,
 //! each with its fields:
-//! - `INFO` when a communicator is made: `rank`, `world`, `device`, `verified`, `blocking`,
-//!   how long NCCL's creation took (`nccl_init`) and the whole (`elapsed`); `init_all` once per
-//!   rank.
+//! - `INFO` when a communicator is made by `Communicator::new`/`with_options` or `init_all`
+//!   (once per rank; not yet by `split` or `split_all`): `rank`, `world`, `device`,
+//!   `verified`, `blocking`, how long NCCL's creation took (`nccl_init`; for `init_all`, the
+//!   whole) and the whole (`elapsed`).
 //! - `DEBUG` when a verification had to wait for a peer (`peers`, `waited`); `WARN` when it
 //!   fails: a mismatch (`detail`), a timeout (`peer`, `waited`, `what`), a broken peer.
-//! - `WARN` when a communicator is aborted on an error (`rank`, `device`, `timeout` whether it was
-//!   a timeout, `reason`), `INFO` when the program aborts it; `ERROR` when the watchdog aborts one
+//! - `WARN` when an operation's error aborts its communicator (`rank`, `device`, `timeout`
+//!   whether it was a timeout, `reason`; not yet every path: an abort found by a host read, a
+//!   split's parent, the engine's), `INFO` when the program aborts it; `ERROR` when the watchdog aborts one
 //!   (`rank`, `device`, `timeout` or `panicked`, `reason`). `TRACE`: each look of the watchdog at
 //!   a communicator with queued work.
 //! - `DEBUG` when a graph capture begins (`device`, `stream`, `nccl`) and ends (`streams`, the
