@@ -16,30 +16,15 @@ mod stubs;
 /// Set in a child: the NCCL version its stub reports.
 const CHILD: &str = "HANDOFF_ORDER_STUB_VERSION";
 
-/// Calls `void name(int)` in `lib`.
-fn set(lib: &Path, name: &[u8], v: i32) -> Result<(), String> {
-    // SAFETY: the stub libraries just built: plain C with no initialisers; `name` is one of
-    // their `void f(int)` setters. The library stays loaded for the process (leaked), so the
-    // crate's own opening of it finds the same statics.
-    unsafe {
-        let lib = Box::leak(Box::new(
-            libloading::Library::new(lib).map_err(|e| e.to_string())?,
-        ));
-        let f: libloading::Symbol<unsafe extern "C" fn(i32)> = lib.get(name).map_err(|e| e.to_string())?;
-        f(v);
-    }
-    Ok(())
-}
-
 /// A child's run: the group on both ranks, and what came of it.
 fn child(version: i32) -> Result<(), String> {
     let var = |k: &str| std::env::var_os(k).ok_or(format!("{k} is not set"));
-    set(
+    stubs::set(
         Path::new(&var("HANDOFF_CUDART_PATH")?),
         b"cudart_stub_set_devices\0",
         2,
     )?;
-    set(
+    stubs::set(
         Path::new(&var("HANDOFF_NCCL_PATH")?),
         b"nccl_stub_set_version\0",
         version,

@@ -9,7 +9,6 @@
 //! its end.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -83,21 +82,6 @@ fn seen(what: &str) -> Vec<Seen> {
         .filter(|s| s.message().contains(what))
         .cloned()
         .collect()
-}
-
-/// Calls `void name(int)` in the stub library at `lib` (left loaded: the crate opens the same).
-fn set(lib: &Path, name: &[u8], v: i32) -> Result<(), String> {
-    // SAFETY: a stub library just built: plain C with no initialisers; `name` is one of its
-    // `void f(int)` setters. The library stays loaded (leaked), so the crate's own opening of it
-    // finds the same statics.
-    unsafe {
-        let lib = Box::leak(Box::new(
-            libloading::Library::new(lib).map_err(|e| e.to_string())?,
-        ));
-        let f: libloading::Symbol<unsafe extern "C" fn(i32)> = lib.get(name).map_err(|e| e.to_string())?;
-        f(v);
-    }
-    Ok(())
 }
 
 /// Two ranks on two threads: creation, then a send of 4 against a receive of 3.
@@ -206,8 +190,8 @@ fn main() {
         std::env::set_var("HANDOFF_CUDART_PATH", &cudart);
         std::env::set_var("HANDOFF_NCCL_PATH", &nccl);
     }
-    set(&cudart, b"cudart_stub_set_devices\0", 2).expect("stub runtime");
-    set(&nccl, b"nccl_stub_set_gather\0", 1).expect("stub NCCL");
+    stubs::set(&cudart, b"cudart_stub_set_devices\0", 2).expect("stub runtime");
+    stubs::set(&nccl, b"nccl_stub_set_gather\0", 1).expect("stub NCCL");
     tracing::subscriber::set_global_default(Collect {
         next_span: AtomicU64::new(1),
     })

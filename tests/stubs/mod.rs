@@ -72,6 +72,22 @@ pub fn build_pair(binary: &str, nccl_c: &str) -> Option<(PathBuf, PathBuf, PathB
     }
 }
 
+/// Calls `void name(int)` in the stub library at `lib` (one of the stubs' setters), leaving the
+/// library loaded: the crate's own opening of it then finds the same statics.
+#[allow(dead_code)] // Not every test binary that builds stubs sets them this way.
+pub fn set(lib: &Path, name: &[u8], v: i32) -> Result<(), String> {
+    // SAFETY: a stub library built by `build`: plain C with no initialisers; `name` is one of
+    // its `void f(int)` setters. The library stays loaded (leaked), so the symbol stays valid.
+    unsafe {
+        let lib = Box::leak(Box::new(
+            libloading::Library::new(lib).map_err(|e| e.to_string())?,
+        ));
+        let f: libloading::Symbol<unsafe extern "C" fn(i32)> = lib.get(name).map_err(|e| e.to_string())?;
+        f(v);
+    }
+    Ok(())
+}
+
 /// The child's side of [`run_child`]: when `role` is set, runs `body` and exits with its
 /// outcome (its error on standard error, for the parent to report); otherwise returns.
 #[allow(dead_code)] // Not every test binary that builds stubs runs a child.
