@@ -452,6 +452,20 @@ impl Stream {
     }
 }
 
+/// The wait of a future that queued its record when made, or what the future ends with: the
+/// record's error, once, then (polled again after it ended) an error saying so.
+pub(crate) fn started<'w>(
+    wait: &'w mut std::result::Result<Waiting, Option<Error>>,
+    future: &str,
+) -> Result<&'w mut Waiting> {
+    match wait {
+        Ok(w) => Ok(w),
+        Err(e) => Err(e
+            .take()
+            .unwrap_or_else(|| Error::InvalidArgument(format!("a {future} polled again after it ended")))),
+    }
+}
+
 impl StreamCompletion {
     /// Ends the wait with [`Error::Timeout`] if the work has not completed within `timeout` of
     /// now.
@@ -469,13 +483,9 @@ impl Future for StreamCompletion {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let this = self.get_mut();
-        let wait = match &mut this.wait {
+        let wait = match started(&mut this.wait, "StreamCompletion") {
             Ok(w) => w,
-            Err(e) => {
-                return Poll::Ready(Err(e.take().unwrap_or_else(|| {
-                    Error::InvalidArgument("a StreamCompletion polled again after it ended".into())
-                })));
-            }
+            Err(e) => return Poll::Ready(Err(e)),
         };
         match wait.poll(cx, None) {
             Poll::Ready(Ok(Outcome::Complete)) => Poll::Ready(check_poison(this.nccl.as_deref())),

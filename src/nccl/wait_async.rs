@@ -8,7 +8,7 @@ use std::sync::{Arc, TryLockError, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use crate::cuda::completion::{Outcome, Query, Waiting};
+use crate::cuda::completion::{Outcome, Query, Waiting, started};
 use crate::engine::stream::Stream;
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, usable};
@@ -138,13 +138,9 @@ impl Future for CommCompletion {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let this = self.get_mut();
-        let wait = match &mut this.wait {
+        let wait = match started(&mut this.wait, "CommCompletion") {
             Ok(w) => w,
-            Err(e) => {
-                return Poll::Ready(Err(e.take().unwrap_or_else(|| {
-                    Error::InvalidArgument("a CommCompletion polled again after it ended".into())
-                })));
-            }
+            Err(e) => return Poll::Ready(Err(e)),
         };
         let failed = match wait.poll(cx, Some(RECHECK)) {
             Poll::Ready(Ok(Outcome::Complete)) => return Poll::Ready(Ok(())),
