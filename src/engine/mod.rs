@@ -31,6 +31,7 @@
 
 pub(crate) mod capture;
 pub(crate) mod device;
+pub(crate) mod gate;
 pub(crate) mod stream;
 pub(crate) mod tracked;
 pub(crate) mod tracking;

@@ -4,7 +4,7 @@
 use std::cell::Cell;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::cuda::buffer::DeviceBuffer;
@@ -59,8 +59,9 @@ pub struct Communicator {
     rank: usize,
     world: usize,
     options: CommOptions,
-    /// The mailboxes of verification; `None` when unverified.
-    pub(crate) boxes: Option<Mailboxes>,
+    /// The mailboxes of verification; `None` when unverified. Behind a lock that the
+    /// gatekeeper ([`crate::nccl::gatekeeper`]) also takes, to check held groups.
+    pub(crate) boxes: Option<Arc<Mutex<Mailboxes>>>,
     /// Identifies the ranks made together by one `init_all`.
     pub(crate) clique: Option<Arc<()>>,
     /// Given to a graph ([`crate::Graph::capture_with`]), which owns it from then on.
@@ -280,7 +281,7 @@ impl Communicator {
 
     pub(super) fn attach(&mut self, regions: Arc<[Arc<Region>]>) {
         self.shared.lock().regions = Some(regions.clone());
-        self.boxes = Some(Mailboxes::new(self.rank, regions));
+        self.boxes = Some(Arc::new(Mutex::new(Mailboxes::new(self.rank, regions))));
     }
 
     /// Breaks the communicator on an error during creation.
@@ -616,6 +617,20 @@ impl Communicator {
         }
     }
 
+    /// Marks the communicator unusable because a held group failed with `e` (see
+    /// [`crate::nccl::verify::held`]) and aborts it: every queued operation counts as cut short,
+    /// since the gates open first.
+    pub(crate) fn break_held(&self, e: &Error) {
+        trace::event!(
+            warn,
+            rank = self.rank,
+            device = self.shared.ordinal,
+            reason = %e,
+            "handoff: communicator aborted: a held group failed its check"
+        );
+        self.shared.break_with(e.to_string(), Cut::All);
+    }
+
     /// Marks the communicator unusable because of `e` and aborts it.
     pub(crate) fn break_with(&self, e: &Error) {
         trace::event!(
@@ -710,6 +725,11 @@ pub(crate) fn usable(state: &State) -> Result<ncclComm_t> {
         return Err(Error::CommunicatorUnusable {
             reason: reason.to_string(),
         });
+    }
+    if let Some(e) = &state.deferred {
+        // A held group failed after its call returned: every later call says why, as that
+        // call would have.
+        return Err(e.clone());
     }
     match &state.broken {
         Some(reason) => Err(Error::CommunicatorUnusable {

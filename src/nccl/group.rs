@@ -3,25 +3,29 @@
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
+use std::sync::MutexGuard;
 use std::time::Instant;
 
 use smallvec::{SmallVec, smallvec};
 
 use crate::cuda::view::{View, ViewMut};
+use crate::engine::gate::Gate;
 use crate::engine::stream::Stream;
 use crate::engine::tracking::Access;
 use crate::engine::{self, Tracked, TrackedUse};
 use crate::error::{Error, Result};
 use crate::nccl::communicator::{Communicator, usable};
 use crate::nccl::fp8::{self, Use};
+use crate::nccl::gatekeeper;
 use crate::nccl::options;
 use crate::nccl::state::{Cut, State};
 use crate::nccl::types::NcclType;
+use crate::nccl::verify::held::{self, Held, Verdict};
 use crate::nccl::verify::local::{self, LocalRank};
 use crate::nccl::verify::model::{self, Call};
 use crate::nccl::verify::order;
 use crate::nccl::verify::wire::{CollDesc, CollKind, Dir, NCCL_MEMORY, OpDesc, P2P, REGISTERED};
-use crate::nccl::verify::{self, CollOps, Failure, PairOps};
+use crate::nccl::verify::{self, CollOps, Failure, Mailboxes, PairOps, Wait};
 use crate::result::nccl as nc;
 use crate::sys::nccl::{ncclDataType_t, ncclResult_t};
 
@@ -483,12 +487,33 @@ impl<'a> Group<'a> {
     }
 
     /// Verification (on communicators that have it): every operation published to its peer,
-    /// and its counterpart seen and compared, before anything reaches NCCL.
-    fn verify(&self, comms: &[&'a Communicator], queued: &[Queued<'a>]) -> Result<()> {
+    /// and its counterpart seen and compared, before anything reaches NCCL; or, where a peer
+    /// has not posted yet and the group [`held::may_hold`], published and left to check later,
+    /// behind a gate (the returned [`Hold`]).
+    fn verify(&self, comms: &[&'a Communicator], queued: &[Queued<'a>]) -> Result<Option<Hold<'a>>> {
+        let mut locked: SmallVec<[(&'a Communicator, MutexGuard<'a, Mailboxes>); 2]> = SmallVec::new();
+        let mut order: SmallVec<[&'a Communicator; 2]> = comms.iter().copied().collect();
+        order.sort_by_key(|c| c.key());
+        for c in order {
+            if let Some(b) = &c.boxes {
+                locked.push((c, b.lock().unwrap_or_else(|p| p.into_inner())));
+            }
+        }
+        for (c, boxes) in &locked {
+            if boxes.holding() {
+                settle(c, boxes, Wait::Publish)?;
+            }
+        }
+        let boxes_of = |c: &Communicator| {
+            locked
+                .iter()
+                .find(|(d, _)| std::ptr::eq(*d, c))
+                .map(|(_, b)| &**b)
+        };
         let mut pairs: SmallVec<[PairOps<'_>; 2]> = SmallVec::new();
         for &(comm, peer, dir, desc) in queued {
             // Local operations are matched already, within the group (`check_local`).
-            let Some(boxes) = comm.boxes.as_ref().filter(|_| !comm.drives(peer)) else {
+            let Some(boxes) = boxes_of(comm).filter(|_| !comm.drives(peer)) else {
                 continue;
             };
             let i = match pairs
@@ -516,7 +541,7 @@ impl<'a> Group<'a> {
         }
         let mut colls: SmallVec<[CollOps<'_>; 1]> = SmallVec::new();
         for op in &self.colls {
-            let Some(boxes) = op.comm.boxes.as_ref().filter(|_| op.comm.clique.is_none()) else {
+            let Some(boxes) = boxes_of(op.comm).filter(|_| op.comm.clique.is_none()) else {
                 continue;
             };
             match colls.iter_mut().find(|c| std::ptr::eq(c.boxes, boxes)) {
@@ -529,26 +554,55 @@ impl<'a> Group<'a> {
             }
         }
         if pairs.is_empty() && colls.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
-        let failure = match verify::verify(&pairs, &colls) {
-            Ok(()) => return Ok(()),
-            Err(f) => f,
+        let posted = |pairs: &[PairOps<'_>], colls: &[CollOps<'_>]| {
+            for (_, boxes) in &locked {
+                boxes.connected.borrow_mut().posted(pairs, colls);
+            }
         };
-        let e = match failure {
-            Failure::Mismatch(detail) => Error::Mismatch { detail },
-            Failure::PeerBroken(peer) => Error::PeerBroken { peer },
-            Failure::Timeout { peer, waited, what } => Error::Timeout {
-                what: format!("waiting for rank {peer}'s counterpart ({what}; waited {waited:?})"),
-                after: comms.iter().map(|c| c.timeout()).min().unwrap_or(waited),
-            },
+        let fail = |f: Failure| {
+            let e = f.into_error(comms.iter().map(|c| c.timeout()).min().unwrap_or_default());
+            // What this group published can no longer be matched in order: every communicator
+            // of the group stops here, and tells its peers.
+            for c in comms {
+                c.break_with(&e);
+            }
+            e
         };
-        // What this group published can no longer be matched in order: every communicator of
-        // the group stops here, and tells its peers.
-        for c in comms {
-            c.break_with(&e);
+        if let [(comm, _)] = locked.as_slice()
+            && held::may_hold(&pairs, &colls)
+            && gatekeeper::running()
+            && comm.shared.gating.gate.get_or_try_init(Gate::new).is_ok()
+        {
+            return match held::verify_or_hold(&pairs, &colls) {
+                Ok(Verdict::Verified) => {
+                    posted(&pairs, &colls);
+                    Ok(None)
+                }
+                Ok(Verdict::Hold(progress)) => {
+                    posted(&pairs, &colls);
+                    Ok(Some(Hold {
+                        comm,
+                        held: Held::new(&pairs, &colls, progress),
+                    }))
+                }
+                Err(f) => Err(fail(f)),
+            };
         }
-        Err(e)
+        // Not held: what is held goes first (this host waits for it, with the timeout).
+        for (c, boxes) in &locked {
+            if boxes.holding() {
+                settle(c, boxes, Wait::Block)?;
+            }
+        }
+        match verify::verify(&pairs, &colls) {
+            Ok(()) => {
+                posted(&pairs, &colls);
+                Ok(None)
+            }
+            Err(f) => Err(fail(f)),
+        }
     }
 
     fn submit(&self) -> Result<()> {
@@ -566,7 +620,7 @@ impl<'a> Group<'a> {
         self.queued(&mut queued);
         self.check_local(&queued)?;
         self.check_layout_choice()?;
-        self.verify(&comms, &queued)?;
+        let hold = self.verify(&comms, &queued)?;
         // Verified: each operation is now in the peers' order. From here until NCCL has the
         // group, any failure (or panic) must break every communicator of the group, or their
         // next operations would be matched, verified, against the wrong peer operations.
@@ -604,7 +658,7 @@ impl<'a> Group<'a> {
                 comms: &keys,
                 abort: Communicator::abort_by_key,
             },
-            |_| self.post(&comms),
+            |_| self.post(&comms, hold.as_ref().map(|h| h.comm)),
             |stream, event, mut before| {
                 // The communicators whose events are recorded on this stream, and the peers
                 // each receives from; the list of what ran before goes to the last of them.
@@ -640,12 +694,64 @@ impl<'a> Group<'a> {
                 }
             },
         );
-        let r = guard.done(r);
+        let r = guard.done(r.and_then(|ticket| match (hold, ticket) {
+            (Some(h), Some(ticket)) => {
+                h.queue(ticket);
+                Ok(())
+            }
+            (None, _) => Ok(()),
+            // Never: a held group's communicator has its gate. Its checks cannot be skipped.
+            (Some(_), None) => Err(Error::CommunicatorUnusable {
+                reason: "a held group was posted without its gate".into(),
+            }),
+        }));
         for c in due {
             c.trim();
         }
         r
     }
+}
+
+/// A group posted behind its communicator's gate, to be checked later ([`held`]).
+struct Hold<'a> {
+    comm: &'a Communicator,
+    held: Held,
+}
+
+impl Hold<'_> {
+    /// Queues the group behind gate ticket `ticket` and has the gatekeeper look.
+    fn queue(self, ticket: u32) {
+        let Some(b) = &self.comm.boxes else {
+            return;
+        };
+        let boxes = b.lock().unwrap_or_else(|p| p.into_inner());
+        boxes.hold(self.held, ticket);
+        note_deadline(self.comm, &boxes);
+        drop(boxes);
+        gatekeeper::keep(b, &self.comm.shared);
+    }
+}
+
+/// Checks `comm`'s held groups as far as `wait` says and opens the gates of those that passed;
+/// on a failure, breaks the communicator (which opens the rest) and returns the error.
+fn settle(comm: &Communicator, boxes: &Mailboxes, wait: Wait) -> Result<()> {
+    let r = boxes.check_held(wait);
+    match r {
+        Ok(Some(ticket)) => comm.shared.gating.open_to(ticket),
+        Ok(None) => {}
+        Err(f) => {
+            let e = f.into_error(comm.timeout());
+            comm.break_held(&e);
+            return Err(e);
+        }
+    }
+    note_deadline(comm, boxes);
+    Ok(())
+}
+
+/// Tells the gatekeeper when the oldest held group runs out of time.
+pub(crate) fn note_deadline(comm: &Communicator, boxes: &Mailboxes) {
+    gatekeeper::note_deadline(&comm.shared.gating, boxes);
 }
 
 /// Breaks the communicators of a verified group unless it reached NCCL.
@@ -682,12 +788,35 @@ impl Drop for BreakUnlessPosted<'_, '_> {
 impl<'a> Group<'a> {
     /// The NCCL group itself, with every communicator's lock held so that the watchdog cannot
     /// abort one in the middle. Nothing reaches a stream before `ncclGroupEnd`.
-    fn post(&self, comms: &[&'a Communicator]) -> Result<()> {
+    fn post(&self, comms: &[&'a Communicator], gated: Option<&Communicator>) -> Result<Option<u32>> {
         let mut states: SmallVec<[std::sync::MutexGuard<'_, State>; 2]> =
             comms.iter().map(|c| c.shared.lock()).collect();
         let mut raws: SmallVec<[_; 2]> = SmallVec::new();
         for s in &states {
             raws.push(usable(s)?);
+        }
+        // A held group: every stream of it waits on the GPU for its gate, before NCCL's work.
+        let mut ticket = None;
+        if let Some(gate) = gated.and_then(|c| c.shared.gating.gate.get()) {
+            let mut streams: SmallVec<[_; 2]> = SmallVec::new();
+            for (_, stream) in self.all() {
+                if !streams.contains(&stream.as_raw()) {
+                    streams.push(stream.as_raw());
+                }
+            }
+            // SAFETY: the streams are live (borrowed for the group). The gate opens in bounded
+            // time on every path: the gatekeeper checks the held group (queued once this
+            // returns) with its timeout, or opens it when that has passed; a failure anywhere
+            // breaks the communicator, which opens it; and the gate opens when dropped.
+            match unsafe { gate.shut(&streams) } {
+                Ok(t) => ticket = Some(t),
+                Err(e) => {
+                    for (st, c) in states.iter_mut().zip(comms) {
+                        st.break_with(e.to_string(), c.shared.ordinal, Cut::All);
+                    }
+                    return Err(e);
+                }
+            }
         }
         let raw_of = |c: &Communicator| raws[comms.iter().position(|d| std::ptr::eq(*d, c)).expect("listed")];
         // PreMulSum operators, made before the group (a failure to make one inside it would
@@ -801,7 +930,7 @@ impl<'a> Group<'a> {
                 }
                 Err(e)
             }
-            None => Ok(()),
+            None => Ok(ticket),
         }
     }
 }

@@ -28,6 +28,7 @@ pub mod bootstrap;
 mod collective;
 mod communicator;
 mod fp8;
+mod gatekeeper;
 mod graph;
 mod group;
 mod id;

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use crate::engine::Before;
 use crate::engine::device::{Origin, PooledEvent};
+use crate::engine::gate::Gate;
+use crate::error::Error;
 use crate::nccl::verify::mailbox::{BROKEN, Region};
 use crate::result::nccl as nc;
 use crate::sys::nccl::{ncclComm_t, ncclResult_t};
@@ -31,6 +33,41 @@ pub(crate) struct Shared {
     /// Set when the watchdog's look at this communicator panicked: it can no longer be watched,
     /// and the watchdog aborts it (with this reason) at its next chance.
     pub(crate) unwatchable: std::sync::OnceLock<String>,
+    /// Its gate, and whether it is broken, read without the lock (see [`Gating`]).
+    pub(crate) gating: Arc<Gating>,
+}
+
+/// The communicator's gate ([`crate::nccl::verify::held`]), made at its first held group, and
+/// what the gatekeeper reads without taking a lock that an enqueuing thread may hold.
+#[derive(Default)]
+pub(crate) struct Gating {
+    pub(crate) gate: once_cell::sync::OnceCell<Gate>,
+    /// When the oldest held group's timeout ends, in nanoseconds after [`epoch`]; 0 if none.
+    pub(crate) deadline: AtomicU64,
+    /// Set when the communicator breaks: its held groups need no checking any more.
+    pub(crate) broken: std::sync::atomic::AtomicBool,
+}
+
+impl Gating {
+    /// Opens every gate: the communicator broke, or its oldest held group ran out of time.
+    pub(crate) fn open_all(&self) {
+        if let Some(g) = self.gate.get() {
+            g.open_all();
+        }
+    }
+
+    /// Opens up to `ticket`.
+    pub(crate) fn open_to(&self, ticket: u32) {
+        if let Some(g) = self.gate.get() {
+            g.open_to(ticket);
+        }
+    }
+}
+
+/// The instant deadlines in [`Gating`] count from.
+pub(crate) fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
 }
 
 pub(crate) struct State {
@@ -52,6 +89,11 @@ pub(crate) struct State {
     /// For a communicator owned by a graph: the thread that will abort it (see
     /// [`State::break_with`]).
     pub(crate) graph_aborter: Option<GraphAborter>,
+    /// Shared with [`Shared::gating`]: a break opens the gates before it aborts.
+    pub(crate) gating: Arc<Gating>,
+    /// The error a held group failed with after its call returned: the communicator's later
+    /// calls return it, as that call would have.
+    pub(crate) deferred: Option<Error>,
 }
 
 /// A thread, started when a communicator is given to a graph, that aborts it when handed its
@@ -99,6 +141,8 @@ impl State {
             regions: None,
             graph_aborter: None,
             rank,
+            gating: Arc::default(),
+            deferred: None,
         }
     }
 
@@ -131,6 +175,10 @@ impl State {
         if let Some(mine) = self.mine() {
             mine.set_broken();
         }
+        // NCCL's abort waits for the device, so for any held group's gate: open them all. A
+        // held group never runs against a different counterpart (`verify::held`).
+        self.gating.broken.store(true, Ordering::Release);
+        self.gating.open_all();
         let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
         if raw.is_null() {
             return;
@@ -191,7 +239,9 @@ pub(crate) fn fresh_id() -> usize {
 impl Shared {
     /// The state of a new communicator of rank `rank` on device `ordinal`, with a fresh id.
     pub(crate) fn new(state: State, rank: usize, ordinal: i32) -> Shared {
+        let gating = state.gating.clone();
         Shared {
+            gating,
             id: fresh_id(),
             state: Mutex::new(state),
             rank,

@@ -430,6 +430,94 @@ pub unsafe fn free_host(p: *mut c_void) -> Result<()> {
     check("cudaFreeHost", unsafe { lib()?.cudaFreeHost(p) })
 }
 
+/// `cudaHostAlloc` with `cudaHostAllocPortable | cudaHostAllocMapped`: page-locked host memory
+/// that every device can address, at [`host_device_pointer`].
+pub fn host_alloc_mapped(bytes: usize) -> Result<*mut c_void> {
+    const PORTABLE_MAPPED: u32 = 0x01 | 0x02;
+    let mut p = std::ptr::null_mut();
+    // SAFETY: writes the pointer.
+    check("cudaHostAlloc", unsafe {
+        lib()?.cudaHostAlloc(&mut p, bytes, PORTABLE_MAPPED)
+    })?;
+    Ok(p)
+}
+
+/// `cudaHostGetDevicePointer`: where devices address mapped host memory.
+///
+/// # Safety
+/// `p` lies in memory from [`host_alloc_mapped`] that is still allocated.
+pub unsafe fn host_device_pointer(p: *mut c_void) -> Result<u64> {
+    let mut d = std::ptr::null_mut();
+    // SAFETY: the caller vouches for the pointer; writes `d`.
+    check("cudaHostGetDevicePointer", unsafe {
+        lib()?.cudaHostGetDevicePointer(&mut d, p, 0)
+    })?;
+    Ok(d as u64)
+}
+
+/// The driver's `cuStreamWaitValue32` (CUDA 12's `_v2`, the one `cuda.h` names so): `CUresult
+/// (CUstream, CUdeviceptr, cuuint32_t, unsigned int)`.
+type StreamWaitValue32 = unsafe extern "C" fn(cudaStream_t, u64, u32, u32) -> i32;
+
+/// `cuStreamWaitValue32`, resolved once through `cudaGetDriverEntryPointByVersion` (the runtime
+/// already loaded the driver; no second library is opened).
+fn stream_wait_value32_fn() -> Result<StreamWaitValue32> {
+    static RESOLVED: once_cell::sync::OnceCell<usize> = once_cell::sync::OnceCell::new();
+    let addr = *RESOLVED.get_or_try_init(|| {
+        let mut f = std::ptr::null_mut();
+        let mut status = rt::cudaDriverEntryPointQueryResult(u32::MAX);
+        // SAFETY: a NUL-terminated name; writes `f` and `status`. 12000: the ABI of the `_v2`
+        // entry point, CUDA 12's default; flags 0: cudaEnableDefault.
+        check("cudaGetDriverEntryPointByVersion", unsafe {
+            lib()?.cudaGetDriverEntryPointByVersion(
+                c"cuStreamWaitValue32".as_ptr(),
+                &mut f,
+                12000,
+                0,
+                &mut status,
+            )
+        })?;
+        if status != rt::cudaDriverEntryPointQueryResult::cudaDriverEntryPointSuccess || f.is_null() {
+            return Err(Error::Cuda {
+                call: "cudaGetDriverEntryPointByVersion",
+                code: status.0 as i32,
+                name: "cuStreamWaitValue32 not found".into(),
+                message: "the driver does not offer cuStreamWaitValue32 for CUDA 12's ABI; \
+                          install a driver for CUDA 12 or newer"
+                    .into(),
+            });
+        }
+        Ok(f as usize)
+    })?;
+    // SAFETY: the driver's entry point for `cuStreamWaitValue32` at CUDA 12's ABI, whose C
+    // declaration `StreamWaitValue32` spells.
+    Ok(unsafe { std::mem::transmute::<usize, StreamWaitValue32>(addr) })
+}
+
+/// `cuStreamWaitValue32(s, addr, value, CU_STREAM_WAIT_VALUE_GEQ)`: work queued on `s` after
+/// this waits until `(int32_t)(*addr - value) >= 0` (wrapping), which the host makes true by
+/// writing the word.
+///
+/// # Safety
+/// `s` is a live stream; `addr` is the device address of a 4-byte-aligned word of mapped host
+/// memory ([`host_device_pointer`]) that stays allocated until the wait has completed on the
+/// GPU, and that the host makes true within a bounded time (or `s` never runs again).
+pub unsafe fn stream_wait_value32_geq(s: cudaStream_t, addr: u64, value: u32) -> Result<()> {
+    const GEQ: u32 = 0;
+    let f = stream_wait_value32_fn()?;
+    // SAFETY: the caller vouches for the stream and the address.
+    let rc = unsafe { f(s, addr, value, GEQ) };
+    if rc == 0 {
+        return Ok(());
+    }
+    Err(Error::Cuda {
+        call: "cuStreamWaitValue32",
+        code: rc,
+        name: format!("CUresult {rc}"),
+        message: "the driver refused the stream wait".into(),
+    })
+}
+
 /// `cudaLibraryGetKernel`.
 ///
 /// # Safety

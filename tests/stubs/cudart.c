@@ -7,16 +7,37 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <stdint.h>
 #include "count.h"
 
 typedef int err_t;
 enum { OK = 0, ERR_INVALID_VALUE = 1, ERR_INVALID_DEVICE = 101, ERR_NOT_READY = 600,
        ERR_ILLEGAL_STATE = 401, ERR_CAPTURE_INVALIDATED = 901 };
 
-/* `root`: the stream the capture began on (itself, for that one). */
-struct stream { int capturing; struct stream *root; };
-/* `root`: the capture its last record was made in, if any. */
-struct event { struct stream *root; };
+/* A gate (cuStreamWaitValue32, GEQ): open once (int32_t)(*word - value) >= 0. */
+struct gate { volatile _Atomic unsigned *word; unsigned value; };
+enum { MAX_GATES = 512 };
+/* `root`: the stream the capture began on (itself, for that one). `gates`: the waits queued on
+ * it that were shut when last looked at (work after them has not "run"). */
+struct stream { int capturing; struct stream *root; struct gate gates[MAX_GATES]; int ngates; };
+/* `root`: the capture its last record was made in, if any. `gates`: its stream's shut gates at
+ * the record: the event completes once they open. */
+struct event { struct stream *root; struct gate gates[8]; int ngates; };
+static int gate_open(const struct gate *g) { return (int)(atomic_load(g->word) - g->value) >= 0; }
+/* Drops the open gates of a list; returns how many stay shut. */
+static int shut_gates(struct gate *gs, int *n) {
+    int k = 0;
+    for (int i = 0; i < *n; i++)
+        if (!gate_open(&gs[i])) gs[k++] = gs[i];
+    *n = k;
+    return k;
+}
+static void wait_gates(struct gate *gs, int *n) {
+    while (shut_gates(gs, n)) {
+        struct timespec t = {0, 10000};
+        nanosleep(&t, NULL);
+    }
+}
 enum { ERR_CAPTURE_ISOLATION = 905, MAX_STREAMS = 1024 };
 static struct stream *streams[MAX_STREAMS];
 static pthread_mutex_t streams_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -83,14 +104,18 @@ err_t cudaStreamSynchronize(struct stream *s) {
         struct timespec t = {0, 1000000};
         nanosleep(&t, NULL);
     }
+    if (s) wait_gates(s->gates, &s->ngates);
     return OK;
 }
-err_t cudaStreamQuery(struct stream *s) { COUNT(); (void)s; return OK; }
+err_t cudaStreamQuery(struct stream *s) { COUNT(); return s && shut_gates(s->gates, &s->ngates) ? ERR_NOT_READY : OK; }
 err_t cudaStreamWaitEvent(struct stream *s, struct event *e, unsigned flags) {
     COUNT(); (void)flags;
     struct stream *root = e && e->root && e->root->capturing ? e->root : NULL;
     if (s && s->capturing && root != s->root) return ERR_CAPTURE_ISOLATION;
     if (s && !s->capturing && root) { s->capturing = 1; s->root = root; }
+    if (s && e && !s->capturing)
+        for (int i = 0; i < e->ngates && s->ngates < MAX_GATES; i++)
+            if (!gate_open(&e->gates[i])) s->gates[s->ngates++] = e->gates[i];
     return OK;
 }
 err_t cudaStreamBeginCapture(struct stream *s, int mode) {
@@ -119,6 +144,12 @@ err_t cudaEventDestroy(void *e) { COUNT(); free(e); return OK; }
 err_t cudaEventRecord(struct event *e, struct stream *s) {
     COUNT();
     if (e) e->root = s && s->capturing ? s->root : NULL;
+    if (e) {
+        e->ngates = 0;
+        if (s && !s->capturing)
+            for (int i = 0; i < s->ngates && e->ngates < 8; i++)
+                if (!gate_open(&s->gates[i])) e->gates[e->ngates++] = s->gates[i];
+    }
     int n = atomic_load(&records_to_fail);
     while (n > 0 && !atomic_compare_exchange_weak(&records_to_fail, &n, n - 1)) {}
     return n > 0 ? 2 : OK;
@@ -130,14 +161,37 @@ err_t cudaEventRecordWithFlags(struct event *e, struct stream *s, unsigned flags
     if (flags == 1 && !(s && s->capturing)) return ERR_ILLEGAL_STATE;
     return OK;
 }
-err_t cudaEventQuery(void *e) { COUNT(); (void)e; return atomic_load(&query_rc); }
-err_t cudaEventSynchronize(void *e) { COUNT(); (void)e; return OK; }
+err_t cudaEventQuery(struct event *e) {
+    COUNT();
+    if (e && shut_gates(e->gates, &e->ngates)) return ERR_NOT_READY;
+    return atomic_load(&query_rc);
+}
+err_t cudaEventSynchronize(struct event *e) { COUNT(); if (e) wait_gates(e->gates, &e->ngates); return OK; }
 err_t cudaEventElapsedTime(float *ms, void *a, void *b) { COUNT(); (void)a; (void)b; *ms = 0; return OK; }
 
 err_t cudaMallocAsync(void **p, size_t n, struct stream *s) { COUNT(); (void)s; *p = malloc(n ? n : 1); return OK; }
 err_t cudaFreeAsync(void *p, struct stream *s) { COUNT(); (void)s; free(p); return OK; }
 err_t cudaMallocHost(void **p, size_t n) { COUNT(); *p = malloc(n ? n : 1); return OK; }
 err_t cudaFreeHost(void *p) { COUNT(); free(p); return OK; }
+err_t cudaHostAlloc(void **p, size_t n, unsigned flags) { COUNT(); (void)flags; *p = aligned_alloc(4096, n < 4096 ? 4096 : n); return OK; }
+/* "Mapped" memory is where the host has it. */
+err_t cudaHostGetDevicePointer(void **d, void *p, unsigned flags) { COUNT(); (void)flags; *d = p; return OK; }
+/* The driver's cuStreamWaitValue32 (GEQ): later work on the stream waits for the word. */
+static int stub_cuStreamWaitValue32(struct stream *s, unsigned long long addr, unsigned value, unsigned flags) {
+    COUNT();
+    if (flags != 0 || !s || s->ngates >= MAX_GATES) return 1;
+    s->gates[s->ngates].word = (volatile _Atomic unsigned *)(uintptr_t)addr;
+    s->gates[s->ngates].value = value;
+    s->ngates++;
+    shut_gates(s->gates, &s->ngates);
+    return 0;
+}
+err_t cudaGetDriverEntryPointByVersion(const char *sym, void **f, unsigned v, unsigned long long flags, int *status) {
+    COUNT(); (void)v; (void)flags;
+    if (strcmp(sym, "cuStreamWaitValue32") == 0) { *f = (void *)stub_cuStreamWaitValue32; *status = 0; return OK; }
+    *f = NULL; *status = 1;
+    return OK;
+}
 err_t cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, struct stream *s) {
     COUNT(); (void)kind;
     if (!(s && s->capturing)) memmove(dst, src, n);

@@ -88,6 +88,22 @@ pub fn set(lib: &Path, name: &[u8], v: i32) -> Result<(), String> {
     Ok(())
 }
 
+/// The stub library at `lib`'s count of calls of `name`: this thread's, or (`all`) every
+/// thread's (`long <prefix>_stub_count(const char *, int)`; `prefix`: `cudart` or `nccl`).
+#[allow(dead_code)] // Not every test binary counts.
+pub fn count(lib: &Path, prefix: &str, name: &str, all: bool) -> i64 {
+    let sym = format!("{prefix}_stub_count\0");
+    let name = std::ffi::CString::new(name).expect("a name without NUL");
+    // SAFETY: a stub library built by `build`, loaded by `set` before (so the same statics);
+    // `long count(const char *name, int all)`. The library stays loaded (leaked).
+    unsafe {
+        let lib = Box::leak(Box::new(libloading::Library::new(lib).expect("the stub loads")));
+        let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char, i32) -> i64> =
+            lib.get(sym.as_bytes()).expect("the stub counts");
+        f(name.as_ptr(), i32::from(all))
+    }
+}
+
 /// The child's side of [`run_child`]: when `role` is set, runs `body` and exits with its
 /// outcome (its error on standard error, for the parent to report); otherwise returns.
 #[allow(dead_code)] // Not every test binary that builds stubs runs a child.

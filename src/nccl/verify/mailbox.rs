@@ -30,10 +30,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::nccl::verify::wire::{CollEntry, Dir, OpDesc};
 
-/// Entries per ring: how far a rank may publish ahead of its peer's checks.
-pub(crate) const RING: u64 = 64;
+/// Entries per ring: how far a rank may publish ahead of its peer's checks, and so how many
+/// gated operations it may queue before its peer's host has posted theirs.
+pub(crate) const RING: u64 = 256;
 const ENTRY_WORDS: usize = 3;
-const MAGIC: u64 = 0x4844_4f46_464d_4231; // "HDOFFMB1"
+const MAGIC: u64 = 0x4844_4f46_464d_4232; // "HDOFFMB2"
 const HEADER_WORDS: usize = 8;
 const H_MAGIC: usize = 0;
 const H_TOKEN: usize = 1;

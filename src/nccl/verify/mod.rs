@@ -24,6 +24,7 @@ mod auth;
 mod channel;
 #[cfg(test)]
 mod channel_tests;
+pub(crate) mod held;
 #[cfg(test)]
 mod hostile;
 pub(crate) mod local;
@@ -56,6 +57,10 @@ pub(crate) struct Mailboxes {
     /// Collectives: how many this rank published, and per peer how many of the peer's it
     /// checked (counts since creation).
     colls: RefCell<(u64, Vec<u64>)>,
+    /// Groups posted behind a gate, not yet checked ([`held`]).
+    held: RefCell<held::HeldQueue>,
+    /// What NCCL has connected ([`held::Connected`]).
+    pub(crate) connected: RefCell<held::Connected>,
 }
 
 const SENT: usize = 0;
@@ -72,6 +77,8 @@ impl Mailboxes {
             regions,
             counters: RefCell::new(vec![[0; 4]; world]),
             colls: RefCell::new((0, vec![0; world])),
+            held: RefCell::default(),
+            connected: RefCell::default(),
         }
     }
 
@@ -107,6 +114,8 @@ struct CollDone {
     published: usize,
     /// Per peer.
     checked: SmallVec<[usize; 8]>,
+    /// The index its first collective was published at.
+    at: u64,
 }
 
 impl CollDone {
@@ -117,6 +126,7 @@ impl CollDone {
             ops,
             published: 0,
             checked: SmallVec::from_elem(0, c.boxes.regions.len()),
+            at: 0,
         }
     }
 
@@ -129,8 +139,9 @@ impl CollDone {
     }
 }
 
-/// Publishes and checks what it can of one rank's collectives. Ok(true) if anything moved.
-fn step_coll(c: &CollOps<'_>, d: &mut CollDone) -> Result<bool, Failure> {
+/// Publishes and (with `check`) checks what it can of one rank's collectives. Ok(true) if
+/// anything moved.
+fn step_coll(c: &CollOps<'_>, d: &mut CollDone, check: bool) -> Result<bool, Failure> {
     let me = c.boxes.rank;
     let regions = &c.boxes.regions;
     let mine = c.boxes.mine();
@@ -147,10 +158,20 @@ fn step_coll(c: &CollOps<'_>, d: &mut CollDone) -> Result<bool, Failure> {
         if *published >= RING.saturating_add(oldest) {
             break;
         }
+        if d.published == 0 {
+            d.at = *published;
+        }
         mine.publish_coll(*published, d.entry(d.published));
         *published += 1;
         d.published += 1;
         moved = true;
+    }
+    if !check {
+        return Ok(moved);
+    }
+    if moved {
+        // What it published is visible before it reads: see `gated`.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     }
     for p in (0..regions.len()).filter(|&p| p != me) {
         while d.checked[p] < c.ops.len() {
@@ -196,6 +217,21 @@ pub(crate) enum Failure {
         waited: Duration,
         what: String,
     },
+}
+
+impl Failure {
+    /// The error a call returns for it; `after` is the communicator's timeout.
+    pub(crate) fn into_error(self, after: Duration) -> crate::Error {
+        use crate::Error;
+        match self {
+            Failure::Mismatch(detail) => Error::Mismatch { detail },
+            Failure::PeerBroken(peer) => Error::PeerBroken { peer },
+            Failure::Timeout { peer, waited, what } => Error::Timeout {
+                what: format!("waiting for rank {peer}'s counterpart ({what}; waited {waited:?})"),
+                after,
+            },
+        }
+    }
 }
 
 /// The remote peers one verification waits on, through its rank's channel: while it runs,
@@ -299,6 +335,9 @@ const REMOTE_WAIT: Duration = Duration::from_millis(5);
 struct Done {
     published: [usize; 2],
     checked: [usize; 2],
+    /// The index its first send and first receive were published at: a group's operations of
+    /// one direction are published one after another.
+    at: [u64; 2],
 }
 
 /// Publishes every operation of `pairs` and checks each against its counterpart, waiting (with
@@ -307,10 +346,17 @@ struct Done {
 pub(crate) fn verify(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<(), Failure> {
     let mut progress = Progress::new(pairs, colls);
     let r = resume(pairs, colls, &mut progress);
-    trace::with_tracing! {
-        report(&r, &progress, pairs, colls);
-    }
+    traced(&r, &progress, pairs, colls);
     r
+}
+
+/// The tracing events of one verification's end (feature `tracing`).
+fn traced(r: &Result<(), Failure>, progress: &Progress, pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) {
+    trace::with_tracing! {
+        report(r, progress, pairs, colls);
+    }
+    #[cfg(not(feature = "tracing"))]
+    let _ = (r, progress, pairs, colls);
 }
 
 /// The events of one verification (feature `tracing`): a wait, if it had to wait, and a
@@ -368,6 +414,15 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
+    /// Nothing to resume.
+    fn empty() -> Progress {
+        Progress {
+            done: SmallVec::new(),
+            coll_done: SmallVec::new(),
+            started: None,
+        }
+    }
+
     pub(crate) fn new(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Progress {
         Progress {
             done: SmallVec::from_elem(Done::default(), pairs.len()),
@@ -384,6 +439,45 @@ pub(crate) fn resume(
     colls: &[CollOps<'_>],
     progress: &mut Progress,
 ) -> Result<(), Failure> {
+    resume_with(pairs, colls, progress, Wait::Block).map(drop)
+}
+
+/// How far [`resume_with`] goes before it returns.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Wait {
+    /// Until every operation is published and checked (or a failure).
+    Block,
+    /// Until every operation is published, then as far as the counterparts there allow:
+    /// `Ok(false)` when one is missing.
+    Publish,
+    /// Until every operation is published, checking nothing: what comes before it is not
+    /// checked yet.
+    PublishOnly,
+}
+
+fn all_published(
+    pairs: &[PairOps<'_>],
+    done: &[Done],
+    colls: &[CollOps<'_>],
+    coll_done: &[CollDone],
+) -> bool {
+    pairs
+        .iter()
+        .zip(done)
+        .all(|(p, d)| d.published == [p.sends.len(), p.recvs.len()])
+        && colls
+            .iter()
+            .zip(coll_done)
+            .all(|(c, d)| d.published == c.ops.len())
+}
+
+/// [`resume`] as far as `wait` says: `Ok(true)` once every operation is checked.
+pub(crate) fn resume_with(
+    pairs: &[PairOps<'_>],
+    colls: &[CollOps<'_>],
+    progress: &mut Progress,
+    wait: Wait,
+) -> Result<bool, Failure> {
     let Progress {
         done,
         coll_done,
@@ -395,13 +489,18 @@ pub(crate) fn resume(
     loop {
         let mut progressed = false;
         let mut finished = true;
+        let check = wait != Wait::PublishOnly;
         for (p, d) in pairs.iter().zip(done.iter_mut()) {
-            progressed |= step(p, d)?;
+            progressed |= step(p, d, check)?;
             finished &= pair_finished(p, d);
         }
         for (c, d) in colls.iter().zip(coll_done.iter_mut()) {
-            progressed |= step_coll(c, d)?;
+            progressed |= step_coll(c, d, check)?;
             finished &= coll_finished(c, d);
+        }
+        let published = all_published(pairs, done, colls, coll_done);
+        if wait == Wait::PublishOnly && published {
+            return Ok(false);
         }
         if finished {
             // A peer whose entries were all there may have broken since it published them: it
@@ -420,7 +519,7 @@ pub(crate) fn resume(
             });
             return match broken_pair.or(broken_coll) {
                 Some(peer) => Err(Failure::PeerBroken(peer)),
-                None => Ok(()),
+                None => Ok(true),
             };
         }
         // What this step published and checked goes out before this rank waits, and what
@@ -441,7 +540,7 @@ pub(crate) fn resume(
             if p.boxes.regions[p.peer].status() == BROKEN {
                 // What the peer published before it broke is visible now (its status is read
                 // with acquire): a mismatch in it is a mismatch here too, as on the peer.
-                step(p, &mut d.clone())?;
+                step(p, &mut d.clone(), true)?;
                 return Err(Failure::PeerBroken(p.peer));
             }
             let waited = started.elapsed();
@@ -470,7 +569,7 @@ pub(crate) fn resume(
                 (0..c.boxes.regions.len()).find(|&r| r != me && c.boxes.regions[r].status() == BROKEN);
             if let Some(r) = broken {
                 // As for a pair: what the peer published before it broke is checked first.
-                step_coll(c, &mut d.clone())?;
+                step_coll(c, &mut d.clone(), true)?;
                 return Err(Failure::PeerBroken(r));
             }
             let waited = started.elapsed();
@@ -481,6 +580,9 @@ pub(crate) fn resume(
                     what: what(),
                 });
             }
+        }
+        if wait == Wait::Publish && published {
+            return Ok(false);
         }
         // A peer on another core usually posts within microseconds; a slow one gets the CPU
         // back, and remote ones wake this thread when they send.
@@ -498,8 +600,8 @@ pub(crate) fn resume(
     }
 }
 
-/// Publishes and checks what it can for one pair. Ok(true) if anything moved.
-fn step(p: &PairOps<'_>, d: &mut Done) -> Result<bool, Failure> {
+/// Publishes and (with `check`) checks what it can for one pair. Ok(true) if anything moved.
+fn step(p: &PairOps<'_>, d: &mut Done, check: bool) -> Result<bool, Failure> {
     let me = p.boxes.rank;
     let mine = p.boxes.mine();
     let theirs = &p.boxes.regions[p.peer];
@@ -509,11 +611,21 @@ fn step(p: &PairOps<'_>, d: &mut Done) -> Result<bool, Failure> {
     for (dir, ops, side, posted) in [(Dir::Send, &p.sends, 0, SENT), (Dir::Recv, &p.recvs, 1, RECEIVED)] {
         // Publish while the peer has checked what the slot held before.
         while d.published[side] < ops.len() && c[posted] < RING + theirs.checked(me, dir) {
+            if d.published[side] == 0 {
+                d.at[side] = c[posted];
+            }
             mine.publish(p.peer, dir, c[posted], ops[d.published[side]]);
             c[posted] += 1;
             d.published[side] += 1;
             moved = true;
         }
+    }
+    if !check {
+        return Ok(moved);
+    }
+    if moved {
+        // What it published is visible before it reads: see `gated`.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     }
     for (dir, ops, side, checked) in [
         (Dir::Send, &p.sends, 0, SENDS_CHECKED),

@@ -611,6 +611,20 @@ pub struct CUgraphExec_st {
     _unused: [u8; 0],
 }
 pub type cudaGraphExec_t = *mut CUgraphExec_st;
+impl cudaDriverEntryPointQueryResult {
+    pub const cudaDriverEntryPointSuccess: cudaDriverEntryPointQueryResult = cudaDriverEntryPointQueryResult(
+        0,
+    );
+    pub const cudaDriverEntryPointSymbolNotFound: cudaDriverEntryPointQueryResult = cudaDriverEntryPointQueryResult(
+        1,
+    );
+    pub const cudaDriverEntryPointVersionNotSufficent: cudaDriverEntryPointQueryResult = cudaDriverEntryPointQueryResult(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct cudaDriverEntryPointQueryResult(pub ::std::os::raw::c_uint);
 pub struct CudartLib {
     __library: ::libloading::Library,
     pub cudaDeviceSynchronize: unsafe extern "C" fn() -> cudaError_t,
@@ -707,6 +721,16 @@ pub struct CudartLib {
     pub cudaFreeHost: unsafe extern "C" fn(
         ptr: *mut ::std::os::raw::c_void,
     ) -> cudaError_t,
+    pub cudaHostAlloc: unsafe extern "C" fn(
+        pHost: *mut *mut ::std::os::raw::c_void,
+        size: usize,
+        flags: ::std::os::raw::c_uint,
+    ) -> cudaError_t,
+    pub cudaHostGetDevicePointer: unsafe extern "C" fn(
+        pDevice: *mut *mut ::std::os::raw::c_void,
+        pHost: *mut ::std::os::raw::c_void,
+        flags: ::std::os::raw::c_uint,
+    ) -> cudaError_t,
     pub cudaMemcpyAsync: unsafe extern "C" fn(
         dst: *mut ::std::os::raw::c_void,
         src: *const ::std::os::raw::c_void,
@@ -761,6 +785,13 @@ pub struct CudartLib {
         graphExec: cudaGraphExec_t,
     ) -> cudaError_t,
     pub cudaGraphDestroy: unsafe extern "C" fn(graph: cudaGraph_t) -> cudaError_t,
+    pub cudaGetDriverEntryPointByVersion: unsafe extern "C" fn(
+        symbol: *const ::std::os::raw::c_char,
+        funcPtr: *mut *mut ::std::os::raw::c_void,
+        cudaVersion: ::std::os::raw::c_uint,
+        flags: ::std::os::raw::c_ulonglong,
+        driverStatus: *mut cudaDriverEntryPointQueryResult,
+    ) -> cudaError_t,
     pub cudaLibraryLoadData: unsafe extern "C" fn(
         library: *mut cudaLibrary_t,
         code: *const ::std::os::raw::c_void,
@@ -850,6 +881,10 @@ impl CudartLib {
             .map(|sym| *sym)?;
         let cudaMallocHost = __library.get(b"cudaMallocHost\0").map(|sym| *sym)?;
         let cudaFreeHost = __library.get(b"cudaFreeHost\0").map(|sym| *sym)?;
+        let cudaHostAlloc = __library.get(b"cudaHostAlloc\0").map(|sym| *sym)?;
+        let cudaHostGetDevicePointer = __library
+            .get(b"cudaHostGetDevicePointer\0")
+            .map(|sym| *sym)?;
         let cudaMemcpyAsync = __library.get(b"cudaMemcpyAsync\0").map(|sym| *sym)?;
         let cudaMemcpyPeerAsync = __library
             .get(b"cudaMemcpyPeerAsync\0")
@@ -874,6 +909,9 @@ impl CudartLib {
             .get(b"cudaGraphExecDestroy\0")
             .map(|sym| *sym)?;
         let cudaGraphDestroy = __library.get(b"cudaGraphDestroy\0").map(|sym| *sym)?;
+        let cudaGetDriverEntryPointByVersion = __library
+            .get(b"cudaGetDriverEntryPointByVersion\0")
+            .map(|sym| *sym)?;
         let cudaLibraryLoadData = __library
             .get(b"cudaLibraryLoadData\0")
             .map(|sym| *sym)?;
@@ -912,6 +950,8 @@ impl CudartLib {
             cudaFuncGetAttributes,
             cudaMallocHost,
             cudaFreeHost,
+            cudaHostAlloc,
+            cudaHostGetDevicePointer,
             cudaMemcpyAsync,
             cudaMemcpyPeerAsync,
             cudaMemsetAsync,
@@ -924,6 +964,7 @@ impl CudartLib {
             cudaGraphLaunch,
             cudaGraphExecDestroy,
             cudaGraphDestroy,
+            cudaGetDriverEntryPointByVersion,
             cudaLibraryLoadData,
             cudaLibraryUnload,
             cudaLibraryGetKernel,
@@ -1096,6 +1137,22 @@ impl CudartLib {
     pub unsafe fn cudaFreeHost(&self, ptr: *mut ::std::os::raw::c_void) -> cudaError_t {
         (self.cudaFreeHost)(ptr)
     }
+    pub unsafe fn cudaHostAlloc(
+        &self,
+        pHost: *mut *mut ::std::os::raw::c_void,
+        size: usize,
+        flags: ::std::os::raw::c_uint,
+    ) -> cudaError_t {
+        (self.cudaHostAlloc)(pHost, size, flags)
+    }
+    pub unsafe fn cudaHostGetDevicePointer(
+        &self,
+        pDevice: *mut *mut ::std::os::raw::c_void,
+        pHost: *mut ::std::os::raw::c_void,
+        flags: ::std::os::raw::c_uint,
+    ) -> cudaError_t {
+        (self.cudaHostGetDevicePointer)(pDevice, pHost, flags)
+    }
     pub unsafe fn cudaMemcpyAsync(
         &self,
         dst: *mut ::std::os::raw::c_void,
@@ -1184,6 +1241,23 @@ impl CudartLib {
     }
     pub unsafe fn cudaGraphDestroy(&self, graph: cudaGraph_t) -> cudaError_t {
         (self.cudaGraphDestroy)(graph)
+    }
+    pub unsafe fn cudaGetDriverEntryPointByVersion(
+        &self,
+        symbol: *const ::std::os::raw::c_char,
+        funcPtr: *mut *mut ::std::os::raw::c_void,
+        cudaVersion: ::std::os::raw::c_uint,
+        flags: ::std::os::raw::c_ulonglong,
+        driverStatus: *mut cudaDriverEntryPointQueryResult,
+    ) -> cudaError_t {
+        (self
+            .cudaGetDriverEntryPointByVersion)(
+            symbol,
+            funcPtr,
+            cudaVersion,
+            flags,
+            driverStatus,
+        )
     }
     pub unsafe fn cudaLibraryLoadData(
         &self,

@@ -1,0 +1,373 @@
+//! Groups handed to NCCL before their peers' hosts posted the counterparts, behind a gate on
+//! the GPU ([`crate::engine::gate`]) that opens once verification has compared them.
+//!
+//! # Why a held group never runs against a different counterpart
+//! Every rank publishes each operation of a group, then (after a sequentially consistent
+//! fence) reads the counterpart at the same index: there, it compares; missing, it may hold the
+//! group. Two ranks doing so for one pair of entries cannot both miss the other's (each store
+//! precedes its fence, each read follows one: Dekker's argument). So of any two ranks that post
+//! an operation pair to NCCL, at least one compared the two entries and found them equal
+//! before it posted; a rank that finds a difference posts nothing, ever again, on that
+//! communicator. NCCL moves data only between a rank's kernel and its peers' kernels for the
+//! same operation, so an operation that differs from its peer's is never run against it,
+//! whether a gate opens after a check, after an abort or after a timeout. That holds for every
+//! transport NCCL picks, and needs only shared memory between the two ranks' mailboxes: a peer
+//! verified through the TCP channel is never gated (its mirror is not read at the same time as
+//! the peer writes), and neither is anything NCCL's own host code exchanges with the peer at
+//! posting (a first connection, registered buffers): see [`Connected`].
+
+use std::collections::VecDeque;
+use std::sync::atomic::{Ordering, fence};
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
+
+use super::wire::{CollDesc, Dir, OpDesc, compare, compare_coll};
+use super::{CollOps, Failure, Mailboxes, PairOps, Progress, Wait, channel, resume_with};
+
+/// One peer's part of a held group: the peer, the sends and the receives.
+type HeldPair = (usize, SmallVec<[OpDesc; 4]>, SmallVec<[OpDesc; 4]>);
+
+/// A held group: what is left to compare.
+pub(crate) struct Held {
+    pairs: SmallVec<[HeldPair; 2]>,
+    colls: SmallVec<[CollDesc; 2]>,
+    timeout: Duration,
+    progress: Progress,
+    /// The gate's ticket that lets the group's NCCL work start.
+    pub(crate) ticket: u32,
+}
+
+impl Held {
+    fn ops<'a>(&self, boxes: &'a Mailboxes) -> (SmallVec<[PairOps<'a>; 2]>, SmallVec<[CollOps<'a>; 1]>) {
+        let pairs = self
+            .pairs
+            .iter()
+            .map(|(peer, sends, recvs)| PairOps {
+                boxes,
+                peer: *peer,
+                sends: sends.clone(),
+                recvs: recvs.clone(),
+                timeout: self.timeout,
+            })
+            .collect();
+        let mut colls = SmallVec::new();
+        if !self.colls.is_empty() {
+            colls.push(CollOps {
+                boxes,
+                ops: self.colls.clone(),
+                timeout: self.timeout,
+            });
+        }
+        (pairs, colls)
+    }
+}
+
+/// Where NCCL's host code has already set up what an operation needs with its peers: NCCL
+/// connects a peer at the first send or receive between them, and an algorithm's peers at the
+/// first collective that uses it (`NCCL_RUNTIME_CONNECT`, on by default), in the poster's
+/// `ncclGroupEnd`, waiting there for the peer's host. A group posted before its peer had
+/// posted would make that wait, with this communicator locked, for a peer that may never post
+/// (it found a mismatch): so only what was connected before is ever held.
+#[derive(Default)]
+pub(crate) struct Connected {
+    /// Per peer: sends posted to it, receives posted from it.
+    p2p: Vec<[bool; 2]>,
+    /// The collectives posted, by everything but the root and where the buffers live: NCCL
+    /// picks an algorithm by kind, type, operator and size (and the world, fixed here).
+    colls: Vec<CollDesc>,
+}
+
+/// How many collective shapes [`Connected`] remembers: a serving loop repeats a few.
+const SHAPES: usize = 256;
+
+fn shape(d: &CollDesc) -> CollDesc {
+    CollDesc {
+        root: 0,
+        captured: false,
+        nccl_memory: 0,
+        ..*d
+    }
+}
+
+impl Connected {
+    fn p2p(&self, peer: usize, dir: Dir) -> bool {
+        self.p2p.get(peer).is_some_and(|s| s[dir as usize])
+    }
+
+    /// Notes a group posted: NCCL set up what it needed.
+    pub(crate) fn posted(&mut self, pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) {
+        for p in pairs {
+            if self.p2p.len() <= p.peer {
+                self.p2p.resize(p.peer + 1, [false; 2]);
+            }
+            let s = &mut self.p2p[p.peer];
+            s[Dir::Send as usize] |= !p.sends.is_empty();
+            s[Dir::Recv as usize] |= !p.recvs.is_empty();
+        }
+        for d in colls.iter().flat_map(|c| &c.ops) {
+            let k = shape(d);
+            if self.colls.len() < SHAPES && !self.colls.contains(&k) {
+                self.colls.push(k);
+            }
+        }
+    }
+}
+
+/// Whether a group may be held: every peer verified through shared memory, every operation
+/// eager, in plain memory, and connected before.
+pub(crate) fn may_hold(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> bool {
+    let Some(boxes) = pairs.first().map(|p| p.boxes).or(colls.first().map(|c| c.boxes)) else {
+        return false;
+    };
+    let one = pairs.iter().all(|p| std::ptr::eq(p.boxes, boxes))
+        && colls.iter().all(|c| std::ptr::eq(c.boxes, boxes));
+    // A peer reached through the channel is read from a mirror.
+    let channel = channel::of(boxes.mine());
+    let remote = pairs.iter().any(|p| channel.is_some_and(|c| c.reaches(p.peer)))
+        || (!colls.is_empty() && channel.is_some_and(|c| c.remote_count() > 0));
+    if !one || remote {
+        return false;
+    }
+    let plain = |d: &OpDesc| !d.captured && d.nccl_memory == 0;
+    let connected = boxes.connected.borrow();
+    let pairs_ok = pairs.iter().all(|p| {
+        p.sends.iter().chain(&p.recvs).all(plain)
+            && (p.sends.is_empty() || connected.p2p(p.peer, Dir::Send))
+            && (p.recvs.is_empty() || connected.p2p(p.peer, Dir::Recv))
+    });
+    let colls_ok = colls
+        .iter()
+        .flat_map(|c| &c.ops)
+        .all(|d| !d.captured && d.nccl_memory == 0 && connected.colls.contains(&shape(d)));
+    pairs_ok && colls_ok
+}
+
+/// What [`verify_or_hold`] found.
+pub(crate) enum Verdict {
+    /// Every counterpart is there and equal: post as usual.
+    Verified,
+    /// Some counterpart is not there yet (or an earlier group is held): post behind a gate and
+    /// [`Mailboxes::hold`] this.
+    Hold(Box<Progress>),
+}
+
+/// Publishes a group that [`may_hold`], and compares what its peers have posted: a difference
+/// is a failure at once, as in [`super::verify`].
+pub(crate) fn verify_or_hold(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Result<Verdict, Failure> {
+    let boxes = pairs.first().map(|p| p.boxes).or(colls.first().map(|c| c.boxes));
+    let behind = boxes.is_some_and(|b| !b.held.borrow().is_empty());
+    let mut progress = Progress::new(pairs, colls);
+    // Waits only for ring slots (bounded by the timeout).
+    resume_with(pairs, colls, &mut progress, Wait::PublishOnly)?;
+    fence(Ordering::SeqCst);
+    if cfg!(handoff_bypass_gate_check) {
+        // For the GPU tests only (scripts/stage-device.sh): held without comparing.
+        progress.started.get_or_insert_with(Instant::now);
+        return Ok(Verdict::Hold(Box::new(progress)));
+    }
+    let mut all = true;
+    for (p, d) in pairs.iter().zip(&progress.done) {
+        let me = p.boxes.rank;
+        let theirs = &p.boxes.regions[p.peer];
+        for (dir, ops, side) in [(Dir::Send, &p.sends, 0), (Dir::Recv, &p.recvs, 1)] {
+            let counterpart = if dir == Dir::Send { Dir::Recv } else { Dir::Send };
+            for (j, op) in ops.iter().enumerate() {
+                let index = d.at[side] + j as u64;
+                match theirs.read(me, counterpart, index) {
+                    Some(other) => compare(me, p.peer, dir, index, *op, other).map_err(Failure::Mismatch)?,
+                    None => all = false,
+                }
+            }
+        }
+    }
+    for (c, d) in colls.iter().zip(&progress.coll_done) {
+        let me = c.boxes.rank;
+        for (p, region) in c.boxes.regions.iter().enumerate().filter(|&(p, _)| p != me) {
+            for i in 0..d.ops.len() {
+                let index = d.at + i as u64;
+                match region.read_coll(index) {
+                    Some(theirs) => {
+                        compare_coll(me, p, index, d.entry(i), theirs).map_err(Failure::Mismatch)?
+                    }
+                    None => all = false,
+                }
+            }
+        }
+    }
+    if all && !behind {
+        // Every counterpart is there: check them in order now, as `verify` would.
+        resume_with(pairs, colls, &mut progress, Wait::Block)?;
+        return Ok(Verdict::Verified);
+    }
+    progress.started.get_or_insert_with(Instant::now);
+    Ok(Verdict::Hold(Box::new(progress)))
+}
+
+impl Held {
+    /// What is left of a group that [`verify_or_hold`] held.
+    pub(crate) fn new(pairs: &[PairOps<'_>], colls: &[CollOps<'_>], progress: Box<Progress>) -> Held {
+        let timeout = pairs
+            .iter()
+            .map(|p| p.timeout)
+            .chain(colls.iter().map(|c| c.timeout))
+            .min()
+            .unwrap_or(Duration::ZERO);
+        Held {
+            pairs: pairs
+                .iter()
+                .map(|p| (p.peer, p.sends.clone(), p.recvs.clone()))
+                .collect(),
+            colls: colls.iter().flat_map(|c| c.ops.iter().copied()).collect(),
+            timeout,
+            progress: *progress,
+            ticket: 0,
+        }
+    }
+}
+
+impl Mailboxes {
+    /// Queues a group posted behind gate ticket `ticket`, after every group held before.
+    pub(crate) fn hold(&self, mut held: Held, ticket: u32) {
+        held.ticket = ticket;
+        self.held.borrow_mut().push_back(held);
+    }
+
+    /// When the oldest held group's timeout ends.
+    pub(crate) fn held_deadline(&self) -> Option<Instant> {
+        let held = self.held.borrow();
+        let h = held.front()?;
+        Some(h.progress.started? + h.timeout)
+    }
+
+    /// Whether any group is held.
+    pub(crate) fn holding(&self) -> bool {
+        !self.held.borrow().is_empty()
+    }
+
+    /// Compares held groups, oldest first, as far as their counterparts allow (with
+    /// [`Wait::Block`]: all of them, waiting with their timeout). Returns the ticket of the
+    /// last group now checked (its gate and every earlier one may open), or the failure, after
+    /// which nothing is held any more (the caller breaks the communicator, which opens them).
+    pub(crate) fn check_held(&self, wait: Wait) -> Result<Option<u32>, Failure> {
+        let mut opened = None;
+        loop {
+            let mut held = self.held.borrow_mut();
+            let Some(front) = held.front_mut() else {
+                return Ok(opened);
+            };
+            if cfg!(handoff_bypass_gate_check) {
+                // For the GPU tests only: opened without comparing.
+                let done = held.pop_front().expect("held");
+                opened = Some(done.ticket);
+                continue;
+            }
+            let (pairs, colls) = front.ops(self);
+            let mut progress = std::mem::replace(&mut front.progress, Progress::empty());
+            drop(held);
+            let r = resume_with(&pairs, &colls, &mut progress, wait);
+            let mut held = self.held.borrow_mut();
+            match r {
+                Ok(true) => {
+                    let done = held.pop_front().expect("held");
+                    opened = Some(done.ticket);
+                }
+                Ok(false) => {
+                    held.front_mut().expect("held").progress = progress;
+                    return Ok(opened);
+                }
+                Err(f) => {
+                    held.clear();
+                    return Err(f);
+                }
+            }
+        }
+    }
+
+    /// Drops every held group (the communicator broke: its gates open with the abort).
+    pub(crate) fn forget_held(&self) {
+        self.held.borrow_mut().clear();
+    }
+}
+
+/// The queue of held groups, oldest first.
+pub(crate) type HeldQueue = VecDeque<Held>;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Barrier};
+
+    use super::*;
+    use crate::nccl::verify::mailbox::Region;
+    use crate::nccl::verify::wire::P2P;
+
+    fn op(count: u64) -> OpDesc {
+        OpDesc {
+            part: P2P,
+            count,
+            dtype: 7,
+            captured: false,
+            nccl_memory: 0,
+        }
+    }
+
+    /// Two ranks publish a differing send and receive at the same moment, many times: at least
+    /// one of them sees the other's entry and refuses, so never do both go to NCCL unchecked.
+    #[test]
+    fn of_two_ranks_posting_at_once_one_always_compares() {
+        let rounds = 20_000;
+        let barrier = Arc::new(Barrier::new(2));
+        let worlds: Vec<Vec<Mailboxes>> = (0..rounds)
+            .map(|_| {
+                let regions: Arc<[Arc<Region>]> =
+                    (0..2).map(|r| Arc::new(Region::in_process(2, r))).collect();
+                (0..2).map(|r| Mailboxes::new(r, regions.clone())).collect()
+            })
+            .collect();
+        let (mut zeros, mut ones) = (Vec::new(), Vec::new());
+        for mut w in worlds {
+            ones.push(w.pop().expect("rank 1"));
+            zeros.push(w.pop().expect("rank 0"));
+        }
+        let run = |rank: usize, boxes: Vec<Mailboxes>, barrier: Arc<Barrier>| {
+            std::thread::spawn(move || {
+                boxes
+                    .iter()
+                    .map(|b| {
+                        let (sends, recvs) = if rank == 0 {
+                            (vec![op(8)], vec![])
+                        } else {
+                            (vec![], vec![op(7)])
+                        };
+                        let p = PairOps {
+                            boxes: b,
+                            peer: 1 - rank,
+                            sends: sends.into(),
+                            recvs: recvs.into(),
+                            timeout: Duration::from_secs(5),
+                        };
+                        barrier.wait();
+                        match verify_or_hold(&[p], &[]) {
+                            Ok(Verdict::Hold(_)) => 'h',
+                            Ok(Verdict::Verified) => 'v',
+                            Err(Failure::Mismatch(_)) => 'm',
+                            Err(f) => panic!("{f:?}"),
+                        }
+                    })
+                    .collect::<Vec<char>>()
+            })
+        };
+        let a = run(0, zeros, barrier.clone());
+        let b = run(1, ones, barrier);
+        let (a, b) = (a.join().expect("rank 0"), b.join().expect("rank 1"));
+        let both_held = a.iter().zip(&b).filter(|(x, y)| **x == 'h' && **y == 'h').count();
+        let held = a.iter().chain(&b).filter(|x| **x == 'h').count();
+        assert!(a.iter().chain(&b).all(|x| *x != 'v'), "a difference verified");
+        assert_eq!(
+            both_held, 0,
+            "{both_held} of {rounds} rounds went to NCCL unchecked on both ranks"
+        );
+        // Both outcomes occur: one rank first (it holds), or both compare.
+        println!("{held} holds in {rounds} rounds");
+    }
+}
