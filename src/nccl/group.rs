@@ -941,15 +941,19 @@ impl Communicator {
     /// start. Tracking is per buffer: the whole buffer counts as read.
     ///
     /// The peer posts a matching [`Communicator::recv`] of the same count and type, in the
-    /// same order; verification (on by default) waits, on the host and with the timeout, until
-    /// it has, and compares. A send to oneself needs its receive in the same [`group`].
+    /// same order; verification (on by default) compares the two. If the peer has not posted
+    /// yet, the send is queued at once behind a gate on the GPU and compared when it does
+    /// (README, "Verified"); where it cannot be (a first send to the peer, registered memory,
+    /// a peer on another host), this waits on the host, with the timeout, for the peer. A send
+    /// to oneself needs its receive in the same [`group`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] (peer out of range, another device, a send to oneself or to a
     /// rank of the same `init_all` outside a group with its counterpart) before anything else;
     /// [`Error::Mismatch`] when the peer's receive differs, [`Error::Timeout`] when it does not
     /// come, [`Error::PeerBroken`] when the peer's communicator broke, NCCL errors: after these
-    /// the communicator is aborted.
+    /// the communicator is aborted. For a held send these come from the next call on the
+    /// communicator (and from host reads of the work), not from this one.
     pub fn send<'b, T: NcclType>(
         &self,
         buf: impl Into<View<'b, T>>,
