@@ -6,8 +6,8 @@
 //! communicator, after one untimed exchange (NCCL connects the pair at its first):
 //! - **late**: rank 1's host sleeps `--late-us` before posting each of `--iters` receives of
 //!   `--count` f32; rank 0's host times each `send` call;
-//! - **prompt**: rank 1 posts all `--iters` receives first, then both ranks meet at a barrier;
-//!   rank 0's host then times each `send` (every counterpart is there);
+//! - **prompt**: rank 0's host sleeps `--late-us` before each send, rank 1 posts each receive
+//!   at once: rank 0's host times each `send`, whose counterpart is there;
 //! - **all_reduce late**: rank 1's host sleeps `--late-us` before each of `--iters` all-reduces
 //!   of `--count` f32; rank 0's host times each call.
 //!
@@ -121,18 +121,13 @@ fn run(o: &Opts, l: &Launch) -> handoff::Result<()> {
         let got_late = if rank == 1 { check(&ys, &s, 1.0)? } else { 0 };
 
         let mut prompt = Vec::with_capacity(o.iters);
-        if rank == 1 {
-            for y in ys.iter_mut() {
+        for y in ys.iter_mut() {
+            if rank == 1 {
                 y.memset_zero(&s)?;
                 comm.recv(y, 0, &s)?;
-            }
-            comm.barrier(&s)?;
-        } else {
-            comm.barrier(&s)?;
-            // The barrier's all-reduce completes only once rank 1 has posted its own, after its
-            // receives: every counterpart is there.
-            s.synchronize()?;
-            for _ in 0..o.iters {
+            } else {
+                // Rank 1 posts as soon as it can: after this, its receive is there.
+                std::thread::sleep(o.late);
                 let t = Instant::now();
                 comm.send(&x, 1, &s)?;
                 prompt.push(t.elapsed().as_secs_f64() * 1e6);

@@ -31,15 +31,19 @@ fn options() -> CommOptions {
     CommOptions::default().with_timeout(Duration::from_secs(20))
 }
 
-/// One send and receive of 4 and one all-reduce of 8, rank 0 to rank 1, waited for.
+/// One send and receive of 4, rank 0 to rank 1, and an all-reduce of every size the tests
+/// use (NCCL connects per algorithm, which it picks by size: only a size seen before is
+/// held), waited for.
 fn connect(comm: &Communicator, s: &Stream) -> handoff::Result<()> {
-    let mut x = DeviceBuffer::<f32>::zeros(8, s)?;
+    let mut x = DeviceBuffer::<f32>::zeros(1 << 20, s)?;
     if comm.rank() == 0 {
         comm.send(x.slice(..4)?, 1, s)?;
     } else {
         comm.recv(x.slice_mut(..4)?, 0, s)?;
     }
-    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, s)?;
+    for n in [200, 256, 1 << 20] {
+        comm.all_reduce_in_place(x.slice_mut(..n)?, ReduceOp::Sum, s)?;
+    }
     comm.barrier_wait(s)
 }
 
