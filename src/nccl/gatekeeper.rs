@@ -208,6 +208,8 @@ fn try_break(shared: &Shared, e: &Error) -> bool {
     if state.broken.is_none() {
         state.deferred = Some(e.clone());
     }
-    state.break_with(e.to_string(), shared.ordinal, Cut::All);
+    // Not here: the abort may wait for other work on the device, and other gates wait on
+    // this thread.
+    state.break_detached(e.to_string(), shared.ordinal, Cut::All);
     true
 }

@@ -164,6 +164,40 @@ impl State {
     /// an error; tells the peers through the mailbox. The caller holds the lock, so no other
     /// NCCL call on the communicator runs meanwhile.
     pub(crate) fn break_with(&mut self, reason: String, ordinal: i32, cut: Cut) {
+        if let Some(raw) = self.break_unaborted(reason, cut) {
+            abort(raw, ordinal);
+        }
+    }
+
+    /// [`State::break_with`], with `ncclCommAbort` on a thread of its own: for a caller that
+    /// must not wait for it (an async executor's thread). NCCL's abort can take as long as
+    /// other work on the device (it frees device memory, which waits for the device); the
+    /// communicator is unusable, its peers told and its gates open before this returns.
+    pub(crate) fn break_detached(&mut self, reason: String, ordinal: i32, cut: Cut) {
+        let Some(raw) = self.break_unaborted(reason, cut) else {
+            return;
+        };
+        let (to, from) = std::sync::mpsc::channel::<Raw>();
+        let spawned = std::thread::Builder::new()
+            .name("handoff-abort".into())
+            .spawn(move || {
+                if let Ok(raw) = from.recv() {
+                    abort(raw, ordinal);
+                }
+            });
+        match spawned {
+            Ok(_) => {
+                // The thread lives until it has the handle.
+                let _ = to.send(raw);
+            }
+            // No thread: abort here after all.
+            Err(_) => abort(raw, ordinal),
+        }
+    }
+
+    /// Everything [`State::break_with`] does but the abort itself: the handle to abort, unless
+    /// there is none or the graph's aborter took it.
+    fn break_unaborted(&mut self, reason: String, cut: Cut) -> Option<Raw> {
         // Work still queued is cut short: host reads that wait for it report why.
         for p in self.pending.drain(..) {
             // SAFETY: the event is kept alive by the Arc.
@@ -181,7 +215,7 @@ impl State {
         self.gating.open_all();
         let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
         if raw.is_null() {
-            return;
+            return None;
         }
         let mut raw = Raw(raw);
         // NCCL's abort first tells the GPU work to stop, then waits until every graph that
@@ -192,13 +226,13 @@ impl State {
         // stop at once, and NCCL's resources outlive them.
         if let Some(to) = self.graph_aborter.as_ref().and_then(|g| g.handle.as_ref()) {
             match to.send(raw) {
-                Ok(()) => return,
+                Ok(()) => return None,
                 // The aborter is gone (it never ends before its handle is dropped, below):
                 // abort here after all.
                 Err(back) => raw = back.0,
             }
         }
-        abort(raw, ordinal);
+        Some(raw)
     }
 }
 

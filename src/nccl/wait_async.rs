@@ -31,7 +31,8 @@ impl Communicator {
     /// communicator's asynchronous error every few milliseconds (only when the communicator's
     /// lock is free: another thread's NCCL call never holds up the executor). On an error, or
     /// past the deadline, it aborts the communicator and returns the error, as the blocking
-    /// form does; the abort (`ncclCommAbort`) runs on the thread that polls.
+    /// form does; the abort (`ncclCommAbort`, which can take as long as other work on the
+    /// device) runs on a thread of its own, so the future resolves at the deadline.
     ///
     /// Dropping the future at any time is safe: it holds one event, and the buffers of the
     /// work stay tracked by their own; a dropped future aborts nothing (the watchdog still
@@ -109,7 +110,10 @@ impl CommCompletion {
             reason = %e,
             "handoff: communicator aborted on an error"
         );
-        shared.break_with(e.to_string(), Cut::Incomplete);
+        // Not on the executor's thread: NCCL's abort may wait for other work on the device.
+        shared
+            .lock()
+            .break_detached(e.to_string(), shared.ordinal, Cut::Incomplete);
     }
 
     /// The communicator's asynchronous error, or why it is unusable, if its lock is free.
