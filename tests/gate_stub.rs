@@ -187,6 +187,36 @@ fn a_peer_that_posted_first_means_no_gate() -> Result<(), Failed> {
     })
 }
 
+fn one_group_each_way_longer_than_the_ring() -> Result<(), Failed> {
+    two_ranks(Duration::from_secs(2), |rank, comm, stream, barrier| {
+        let n = 300;
+        let mut bufs: Vec<DeviceBuffer<f32>> = (0..n)
+            .map(|_| DeviceBuffer::<f32>::zeros(4, stream))
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        barrier.wait();
+        let t = Instant::now();
+        let r = if rank == 0 {
+            handoff::group(|g| {
+                for b in &bufs {
+                    g.send(comm, b, 1, stream)?;
+                }
+                Ok(())
+            })
+        } else {
+            handoff::group(|g| {
+                for b in bufs.iter_mut() {
+                    g.recv(comm, b, 0, stream)?;
+                }
+                Ok(())
+            })
+        };
+        println!("rank {rank}: one group of {n}: {r:?} after {:?}", t.elapsed());
+        r.map_err(|e| e.to_string())?;
+        stream.synchronize().map_err(|e| e.to_string())
+    })
+}
+
 fn main() {
     let mut args = Arguments::from_args();
     // The stub NCCL gathers between the threads of one communicator at a time.
@@ -203,6 +233,10 @@ fn main() {
     stubs::set(&nccl, b"nccl_stub_set_gather\0", 1).expect("stub NCCL");
     CUDART.set(cudart).expect("once");
     let trials = vec![
+        Trial::test(
+            "one_group_each_way_longer_than_the_ring_is_checked_on_the_host",
+            one_group_each_way_longer_than_the_ring,
+        ),
         Trial::test(
             "a_late_receiver_does_not_hold_the_senders_host",
             a_late_receiver_does_not_hold_the_senders_host,

@@ -726,7 +726,7 @@ pub(crate) fn usable(state: &State) -> Result<ncclComm_t> {
             reason: reason.to_string(),
         });
     }
-    if let Some(e) = &state.deferred {
+    if let Some(e) = state.gating.failed.get() {
         // A held group failed after its call returned: every later call says why, as that
         // call would have.
         return Err(e.clone());

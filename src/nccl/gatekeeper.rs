@@ -33,6 +33,9 @@ struct Kept {
 
 static KEPT: Mutex<Vec<Kept>> = Mutex::new(Vec::new());
 static WAKE: Condvar = Condvar::new();
+/// Counts [`keep`]'s calls (under [`KEPT`]'s lock): a round that began before one does not
+/// go to sleep after it.
+static HOLDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// How long the gatekeeper sleeps between looks while a group is held and nothing moved.
 const LOOK: Duration = Duration::from_micros(20);
@@ -61,6 +64,7 @@ pub(crate) fn keep(boxes: &Arc<Mutex<Mailboxes>>, shared: &Arc<Shared>) {
             shared: weak,
         });
     }
+    HOLDS.fetch_add(1, Ordering::Relaxed);
     WAKE.notify_one();
 }
 
@@ -82,6 +86,7 @@ fn run() {
     // Failures found while the communicator's state was locked: broken at a later look.
     let mut unbroken: Vec<(Weak<Shared>, Error)> = Vec::new();
     loop {
+        let round = HOLDS.load(Ordering::Relaxed);
         let kept: Vec<(Arc<Mutex<Mailboxes>>, Arc<Shared>)> = {
             let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
             kept.retain(|k| k.shared.strong_count() > 0);
@@ -109,10 +114,11 @@ fn run() {
                 }
                 Err(_) => {
                     // A bug in a look: the communicator can no longer be looked after.
-                    shared.gating.open_all();
                     let e = Error::CommunicatorUnusable {
                         reason: "the gatekeeper's check of its held groups panicked".into(),
                     };
+                    let _ = shared.gating.failed.set(e.clone());
+                    shared.gating.open_all();
                     if !try_break(shared, &e) {
                         unbroken.push((Arc::downgrade(shared), e));
                     }
@@ -122,7 +128,9 @@ fn run() {
         drop(kept);
         if !holding {
             let kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = WAKE.wait_timeout(kept, IDLE);
+            if HOLDS.load(Ordering::Relaxed) == round {
+                let _ = WAKE.wait_timeout(kept, IDLE);
+            }
         } else if moved {
             std::thread::yield_now();
         } else {
@@ -162,24 +170,25 @@ fn look(boxes: &Mutex<Mailboxes>, shared: &Shared) -> Look {
         gating.deadline.store(0, Ordering::Release);
         return Look::Idle;
     }
-    match guard.check_held(Wait::Publish) {
+    let r = guard.check_held(Wait::Publish, &mut |t| gating.open_to(t));
+    match r {
         Ok(opened) => {
-            if let Some(t) = opened {
-                gating.open_to(t);
-            }
             note_deadline(gating, &guard);
-            Look::Holding {
-                moved: opened.is_some(),
-            }
+            Look::Holding { moved: opened }
         }
         Err(f) => {
-            gating.open_all();
-            gating.deadline.store(0, Ordering::Release);
             let after = match &f {
                 Failure::Timeout { waited, .. } => *waited,
                 _ => Duration::ZERO,
             };
-            Look::Failed(f.into_error(after))
+            let e = f.into_error(after);
+            // Sticky before anything else: the communicator's next call returns it, whether or
+            // not the break below gets the lock now; its peers stop waiting for it.
+            let _ = gating.failed.set(e.clone());
+            guard.set_broken();
+            gating.open_all();
+            gating.deadline.store(0, Ordering::Release);
+            Look::Failed(e)
         }
     }
 }
@@ -198,16 +207,6 @@ fn try_break(shared: &Shared, e: &Error) -> bool {
         reason = %e,
         "handoff: communicator aborted: a held group failed its check"
     );
-    let e = match e {
-        Error::Timeout { what, .. } => Error::Timeout {
-            what: what.clone(),
-            after: state.timeout,
-        },
-        other => other.clone(),
-    };
-    if state.broken.is_none() {
-        state.deferred = Some(e.clone());
-    }
     // Not here: the abort may wait for other work on the device, and other gates wait on
     // this thread.
     state.break_detached(e.to_string(), shared.ordinal, Cut::All);

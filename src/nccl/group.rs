@@ -500,6 +500,13 @@ impl<'a> Group<'a> {
             }
         }
         for (c, boxes) in &locked {
+            if let Some(e) = c.shared.gating.failed.get() {
+                // A held group failed after its call returned: this communicator verifies
+                // nothing more (its counters stop at that group). Break it, if the gatekeeper
+                // could not yet.
+                c.break_held(e);
+                return Err(e.clone());
+            }
             if boxes.holding() {
                 settle(c, boxes, Wait::Publish)?;
             }
@@ -570,7 +577,8 @@ impl<'a> Group<'a> {
             }
             e
         };
-        if let [(comm, _)] = locked.as_slice()
+        if let [(comm, boxes)] = locked.as_slice()
+            && comms.len() == 1
             && held::may_hold(&pairs, &colls)
             && gatekeeper::running()
             && comm.shared.gating.gate.get_or_try_init(Gate::new).is_ok()
@@ -586,6 +594,19 @@ impl<'a> Group<'a> {
                         comm,
                         held: Held::new(&pairs, &colls, progress),
                     }))
+                }
+                Ok(Verdict::NoRoom(mut progress)) => {
+                    // What is held goes first, then this group, on the host.
+                    if boxes.holding() {
+                        settle(comm, boxes, Wait::Block)?;
+                    }
+                    match verify::resume_with(&pairs, &colls, &mut progress, Wait::Block) {
+                        Ok(_) => {
+                            posted(&pairs, &colls);
+                            Ok(None)
+                        }
+                        Err(f) => Err(fail(f)),
+                    }
                 }
                 Err(f) => Err(fail(f)),
             };
@@ -735,15 +756,12 @@ impl Hold<'_> {
 /// Checks `comm`'s held groups as far as `wait` says and opens the gates of those that passed;
 /// on a failure, breaks the communicator (which opens the rest) and returns the error.
 fn settle(comm: &Communicator, boxes: &Mailboxes, wait: Wait) -> Result<()> {
-    let r = boxes.check_held(wait);
-    match r {
-        Ok(Some(ticket)) => comm.shared.gating.open_to(ticket),
-        Ok(None) => {}
-        Err(f) => {
-            let e = f.into_error(comm.timeout());
-            comm.break_held(&e);
-            return Err(e);
-        }
+    let gating = &comm.shared.gating;
+    if let Err(f) = boxes.check_held(wait, &mut |ticket| gating.open_to(ticket)) {
+        let e = f.into_error(comm.timeout());
+        let _ = gating.failed.set(e.clone());
+        comm.break_held(&e);
+        return Err(e);
     }
     note_deadline(comm, boxes);
     Ok(())

@@ -46,6 +46,11 @@ pub(crate) struct Gating {
     pub(crate) deadline: AtomicU64,
     /// Set when the communicator breaks: its held groups need no checking any more.
     pub(crate) broken: std::sync::atomic::AtomicBool,
+    /// The error a held group failed with after its call returned: every later call on the
+    /// communicator returns it, as that call would have. Set before anything else happens to
+    /// the communicator (its break may have to wait for its lock), so that no later group is
+    /// verified against counters that the failed group left behind.
+    pub(crate) failed: std::sync::OnceLock<Error>,
 }
 
 impl Gating {
@@ -91,9 +96,6 @@ pub(crate) struct State {
     pub(crate) graph_aborter: Option<GraphAborter>,
     /// Shared with [`Shared::gating`]: a break opens the gates before it aborts.
     pub(crate) gating: Arc<Gating>,
-    /// The error a held group failed with after its call returned: the communicator's later
-    /// calls return it, as that call would have.
-    pub(crate) deferred: Option<Error>,
 }
 
 /// A thread, started when a communicator is given to a graph, that aborts it when handed its
@@ -142,7 +144,6 @@ impl State {
             graph_aborter: None,
             rank,
             gating: Arc::default(),
-            deferred: None,
         }
     }
 

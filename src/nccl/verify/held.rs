@@ -73,21 +73,27 @@ impl Held {
 pub(crate) struct Connected {
     /// Per peer: sends posted to it, receives posted from it.
     p2p: Vec<[bool; 2]>,
-    /// The collectives posted, by everything but the root and where the buffers live: NCCL
-    /// picks an algorithm by kind, type, operator and size (and the world, fixed here).
-    colls: Vec<CollDesc>,
+    /// The groups of collectives posted, each by its collectives in call order, with
+    /// everything but the root and where the buffers live: NCCL picks an algorithm by kind,
+    /// type, operator and size (and the world, fixed here), for a group's merged collectives.
+    colls: Vec<SmallVec<[CollDesc; 2]>>,
 }
 
-/// How many collective shapes [`Connected`] remembers: a serving loop repeats a few.
+/// How many groups of collectives [`Connected`] remembers: a serving loop repeats a few.
 const SHAPES: usize = 256;
 
-fn shape(d: &CollDesc) -> CollDesc {
-    CollDesc {
-        root: 0,
-        captured: false,
-        nccl_memory: 0,
-        ..*d
-    }
+/// A group's collectives as [`Connected`] remembers them.
+fn signature(colls: &[CollOps<'_>]) -> SmallVec<[CollDesc; 2]> {
+    colls
+        .iter()
+        .flat_map(|c| &c.ops)
+        .map(|d| CollDesc {
+            root: 0,
+            captured: false,
+            nccl_memory: 0,
+            ..*d
+        })
+        .collect()
 }
 
 impl Connected {
@@ -105,11 +111,9 @@ impl Connected {
             s[Dir::Send as usize] |= !p.sends.is_empty();
             s[Dir::Recv as usize] |= !p.recvs.is_empty();
         }
-        for d in colls.iter().flat_map(|c| &c.ops) {
-            let k = shape(d);
-            if self.colls.len() < SHAPES && !self.colls.contains(&k) {
-                self.colls.push(k);
-            }
+        let k = signature(colls);
+        if !k.is_empty() && self.colls.len() < SHAPES && !self.colls.contains(&k) {
+            self.colls.push(k);
         }
     }
 }
@@ -139,7 +143,8 @@ pub(crate) fn may_hold(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> bool {
     let colls_ok = colls
         .iter()
         .flat_map(|c| &c.ops)
-        .all(|d| !d.captured && d.nccl_memory == 0 && connected.colls.contains(&shape(d)));
+        .all(|d| !d.captured && d.nccl_memory == 0)
+        && (colls.is_empty() || connected.colls.contains(&signature(colls)));
     pairs_ok && colls_ok
 }
 
@@ -150,6 +155,10 @@ pub(crate) enum Verdict {
     /// Some counterpart is not there yet (or an earlier group is held): post behind a gate and
     /// [`Mailboxes::hold`] this.
     Hold(Box<Progress>),
+    /// The ring is full before every operation is published (the peer has not checked enough
+    /// of this rank's earlier ones): check on the host, from this progress on, once whatever is
+    /// held has been.
+    NoRoom(Box<Progress>),
 }
 
 /// Publishes a group that [`may_hold`], and compares what its peers have posted: a difference
@@ -158,8 +167,11 @@ pub(crate) fn verify_or_hold(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Re
     let boxes = pairs.first().map(|p| p.boxes).or(colls.first().map(|c| c.boxes));
     let behind = boxes.is_some_and(|b| !b.held.borrow().is_empty());
     let mut progress = Progress::new(pairs, colls);
-    // Waits only for ring slots (bounded by the timeout).
-    resume_with(pairs, colls, &mut progress, Wait::PublishOnly)?;
+    if !resume_with(pairs, colls, &mut progress, Wait::PublishOnly)?
+        && !super::all_published(pairs, &progress.done, colls, &progress.coll_done)
+    {
+        return Ok(Verdict::NoRoom(Box::new(progress)));
+    }
     fence(Ordering::SeqCst);
     if cfg!(handoff_bypass_gate_check) {
         // For the GPU tests only (scripts/stage-device.sh): held without comparing.
@@ -246,42 +258,60 @@ impl Mailboxes {
     }
 
     /// Compares held groups, oldest first, as far as their counterparts allow (with
-    /// [`Wait::Block`]: all of them, waiting with their timeout). Returns the ticket of the
-    /// last group now checked (its gate and every earlier one may open), or the failure, after
-    /// which nothing is held any more (the caller breaks the communicator, which opens them).
-    pub(crate) fn check_held(&self, wait: Wait) -> Result<Option<u32>, Failure> {
-        let mut opened = None;
+    /// [`Wait::Block`]: all of them, waiting with their timeout), calling `open` with each
+    /// group's ticket as it passes (its gate and every earlier one may open). Returns whether
+    /// any passed, or the failure, after which nothing is held and nothing is verified here any
+    /// more ([`Mailboxes::failure`]; the caller breaks the communicator, which opens the gates).
+    pub(crate) fn check_held(&self, wait: Wait, open: &mut dyn FnMut(u32)) -> Result<bool, Failure> {
+        if let Some(f) = self.failure() {
+            return Err(f);
+        }
+        let mut passed = false;
         loop {
-            let mut held = self.held.borrow_mut();
-            let Some(front) = held.front_mut() else {
-                return Ok(opened);
+            let held = self.held.borrow();
+            let Some(front) = held.front() else {
+                return Ok(passed);
             };
             if cfg!(handoff_bypass_gate_check) {
                 // For the GPU tests only: opened without comparing.
-                let done = held.pop_front().expect("held");
-                opened = Some(done.ticket);
+                let ticket = front.ticket;
+                drop(held);
+                self.held.borrow_mut().pop_front();
+                open(ticket);
+                passed = true;
                 continue;
             }
             let (pairs, colls) = front.ops(self);
-            let mut progress = std::mem::replace(&mut front.progress, Progress::empty());
+            // A copy: a panic below leaves the held group as it was.
+            let mut progress = front.progress.clone();
             drop(held);
-            let r = resume_with(&pairs, &colls, &mut progress, wait);
-            let mut held = self.held.borrow_mut();
-            match r {
+            match resume_with(&pairs, &colls, &mut progress, wait) {
                 Ok(true) => {
-                    let done = held.pop_front().expect("held");
-                    opened = Some(done.ticket);
+                    let done = self.held.borrow_mut().pop_front().expect("held");
+                    open(done.ticket);
+                    passed = true;
                 }
                 Ok(false) => {
-                    held.front_mut().expect("held").progress = progress;
-                    return Ok(opened);
+                    self.held.borrow_mut().front_mut().expect("held").progress = progress;
+                    return Ok(passed);
                 }
                 Err(f) => {
-                    held.clear();
+                    self.held.borrow_mut().clear();
+                    *self.failed.borrow_mut() = Some(f.clone());
                     return Err(f);
                 }
             }
         }
+    }
+
+    /// Why a held group failed, if one did: nothing may be verified here after it.
+    pub(crate) fn failure(&self) -> Option<Failure> {
+        self.failed.borrow().clone()
+    }
+
+    /// Marks this rank's mailbox broken: its peers stop waiting for it.
+    pub(crate) fn set_broken(&self) {
+        self.mine().set_broken();
     }
 
     /// Drops every held group (the communicator broke: its gates open with the abort).
@@ -349,7 +379,7 @@ mod tests {
                         barrier.wait();
                         match verify_or_hold(&[p], &[]) {
                             Ok(Verdict::Hold(_)) => 'h',
-                            Ok(Verdict::Verified) => 'v',
+                            Ok(Verdict::Verified | Verdict::NoRoom(_)) => 'v',
                             Err(Failure::Mismatch(_)) => 'm',
                             Err(f) => panic!("{f:?}"),
                         }
@@ -369,5 +399,135 @@ mod tests {
         );
         // Both outcomes occur: one rank first (it holds), or both compare.
         println!("{held} holds in {rounds} rounds");
+    }
+
+    // The review of held groups (2026-12-04): each failed before its fix.
+    fn two_boxes() -> (Mailboxes, Mailboxes) {
+        let regions: Arc<[Arc<Region>]> = (0..2).map(|r| Arc::new(Region::in_process(2, r))).collect();
+        (Mailboxes::new(0, regions.clone()), Mailboxes::new(1, regions))
+    }
+
+    fn pair_of<'a>(b: &'a Mailboxes, peer: usize, sends: &[u64], recvs: &[u64], t: Duration) -> PairOps<'a> {
+        PairOps {
+            boxes: b,
+            peer,
+            sends: sends.iter().map(|&c| op(c)).collect(),
+            recvs: recvs.iter().map(|&c| op(c)).collect(),
+            timeout: t,
+        }
+    }
+
+    /// One group of 300 sends on rank 0 and one of 300 receives on rank 1, both holdable: more
+    /// than the ring, so neither can publish all before the other checks. Was a timeout on
+    /// both (publishing waited for ring space, checking nothing); now each says `NoRoom`.
+    #[test]
+    fn one_group_each_way_longer_than_the_ring_is_checked_not_held() {
+        let (b0, b1) = two_boxes();
+        let counts: Vec<u64> = (1..=300).collect();
+        let c1 = counts.clone();
+        let t = Duration::from_secs(2);
+        let a = std::thread::spawn(move || {
+            let p = [pair_of(&b0, 1, &counts, &[], t)];
+            outcome(&p, verify_or_hold(&p, &[]))
+        });
+        let b = std::thread::spawn(move || {
+            let p = [pair_of(&b1, 0, &[], &c1, t)];
+            outcome(&p, verify_or_hold(&p, &[]))
+        });
+        let (a, b) = (a.join().unwrap(), b.join().unwrap());
+        println!("ring: rank 0: {a}; rank 1: {b}");
+        assert!(
+            a == "checked on the host" && b == "checked on the host",
+            "rank 0: {a}; rank 1: {b}"
+        );
+    }
+
+    /// What became of a group: a hold, a verification, or (no room) its check on the host.
+    fn outcome(pairs: &[PairOps<'_>], r: Result<Verdict, Failure>) -> String {
+        match r {
+            Ok(Verdict::Hold(_)) => "hold".into(),
+            Ok(Verdict::Verified) => "verified".into(),
+            Ok(Verdict::NoRoom(mut progress)) => match resume_with(pairs, &[], &mut progress, Wait::Block) {
+                Ok(_) => "checked on the host".into(),
+                Err(f) => format!("{f:?}"),
+            },
+            Err(f) => format!("{f:?}"),
+        }
+    }
+
+    /// Rank 0 holds two sends, then (a group that cannot be held) settles them with Wait::Block;
+    /// rank 1 posts receive #0, waits for its data (the gate of #0 open), then posts receive #1.
+    /// Was a timeout: no gate opened until every held group had passed.
+    #[test]
+    fn settling_on_the_host_opens_each_gate_as_its_group_passes() {
+        use std::sync::atomic::AtomicU32;
+        let (b0, b1) = two_boxes();
+        let gate = Arc::new(AtomicU32::new(0));
+        let barrier = Arc::new(Barrier::new(2));
+        let t = Duration::from_secs(1);
+        let (g0, bar0) = (gate.clone(), barrier.clone());
+        let p = std::thread::spawn(move || {
+            for ticket in 1..=2u32 {
+                let pr = pair_of(&b0, 1, &[8], &[], t);
+                match verify_or_hold(std::slice::from_ref(&pr), &[]) {
+                    Ok(Verdict::Hold(progress)) => b0.hold(Held::new(&[pr], &[], progress), ticket),
+                    _ => panic!("expected a hold"),
+                }
+            }
+            bar0.wait();
+            let r = b0.check_held(Wait::Block, &mut |t| g0.store(t, Ordering::SeqCst));
+            format!("{r:?}")
+        });
+        let c = std::thread::spawn(move || {
+            barrier.wait();
+            crate::nccl::verify::verify(&[pair_of(&b1, 0, &[], &[8], Duration::from_secs(5))], &[]).unwrap();
+            let start = Instant::now();
+            // "synchronize" on receive #0: its sender's kernel waits for gate ticket 1.
+            while gate.load(Ordering::SeqCst) < 1 {
+                if start.elapsed() > Duration::from_secs(3) {
+                    return "receive #0 never completed (gate 1 never opened)".to_string();
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            format!(
+                "{:?}",
+                crate::nccl::verify::verify(&[pair_of(&b1, 0, &[], &[8], Duration::from_secs(5))], &[])
+            )
+        });
+        let (p, c) = (p.join().unwrap(), c.join().unwrap());
+        println!("settle: producer check_held(Block): {p}; consumer: {c}");
+        assert!(p.starts_with("Ok"), "producer: {p}; consumer: {c}");
+    }
+
+    /// After a held group's check fails and the queue is cleared (what the gatekeeper does
+    /// before its break, which may find the state locked), the counters stop at that group: a
+    /// later `verify` would compare against the wrong counterpart and pass a pair that differs
+    /// while the peer holds its side unchecked. It fails with the held group's failure instead.
+    #[test]
+    fn after_a_held_group_fails_nothing_more_is_verified() {
+        let (b0, b1) = two_boxes();
+        let long = Duration::from_secs(5);
+        // 1. Rank 0 holds send(8) #0 (timeout 0: it fails at its first check).
+        let pr = pair_of(&b0, 1, &[8], &[], Duration::ZERO);
+        let Ok(Verdict::Hold(progress)) = verify_or_hold(std::slice::from_ref(&pr), &[]) else {
+            panic!("hold")
+        };
+        b0.hold(Held::new(&[pr], &[], progress), 1);
+        // 2. The gatekeeper's check: Timeout, queue cleared (the communicator not yet broken).
+        let f = b0.check_held(Wait::Publish, &mut |_| {});
+        assert!(matches!(f, Err(Failure::Timeout { .. })), "{f:?}");
+        assert!(!b0.holding());
+        // 3. Rank 1, late: receive(8) #0 matches and is verified.
+        crate::nccl::verify::verify(&[pair_of(&b1, 0, &[], &[8], long)], &[]).unwrap();
+        // 4. Rank 1: receive(4) #1, before rank 0 published #1: held.
+        let r1 = verify_or_hold(&[pair_of(&b1, 0, &[], &[4], long)], &[]);
+        assert!(matches!(r1, Ok(Verdict::Hold(_))), "rank 1's receive #1 is held");
+        // 5. Rank 0: send(8) #1 by the non-held path (registered memory, two communicators...).
+        let r0 = crate::nccl::verify::verify(&[pair_of(&b0, 1, &[8], &[], long)], &[]);
+        println!("misalign: rank 0's send(8) #1 against rank 1's held receive(4) #1: {r0:?}");
+        assert!(
+            r0.is_err(),
+            "rank 0 verified send(8) #1 while rank 1 holds receive(4) #1"
+        );
     }
 }

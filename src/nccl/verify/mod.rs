@@ -59,6 +59,9 @@ pub(crate) struct Mailboxes {
     colls: RefCell<(u64, Vec<u64>)>,
     /// Groups posted behind a gate, not yet checked ([`held`]).
     held: RefCell<held::HeldQueue>,
+    /// Why a held group failed: once set, nothing is verified here any more (the checked
+    /// counters stop at the failed group).
+    failed: RefCell<Option<Failure>>,
     /// What NCCL has connected ([`held::Connected`]).
     pub(crate) connected: RefCell<held::Connected>,
 }
@@ -78,6 +81,7 @@ impl Mailboxes {
             counters: RefCell::new(vec![[0; 4]; world]),
             colls: RefCell::new((0, vec![0; world])),
             held: RefCell::default(),
+            failed: RefCell::default(),
             connected: RefCell::default(),
         }
     }
@@ -414,15 +418,6 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
-    /// Nothing to resume.
-    fn empty() -> Progress {
-        Progress {
-            done: SmallVec::new(),
-            coll_done: SmallVec::new(),
-            started: None,
-        }
-    }
-
     pub(crate) fn new(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Progress {
         Progress {
             done: SmallVec::from_elem(Done::default(), pairs.len()),
@@ -450,8 +445,8 @@ pub(crate) enum Wait {
     /// Until every operation is published, then as far as the counterparts there allow:
     /// `Ok(false)` when one is missing.
     Publish,
-    /// Until every operation is published, checking nothing: what comes before it is not
-    /// checked yet.
+    /// As far as the ring lets it publish, checking nothing (what comes before it is not
+    /// checked yet): `Ok(false)` if the ring is full before every operation is published.
     PublishOnly,
 }
 
@@ -478,6 +473,13 @@ pub(crate) fn resume_with(
     progress: &mut Progress,
     wait: Wait,
 ) -> Result<bool, Failure> {
+    // After a held group failed, nothing is verified on its communicator: its counters stop
+    // at that group, and a later group would be compared with that group's counterparts.
+    for b in pairs.iter().map(|p| p.boxes).chain(colls.iter().map(|c| c.boxes)) {
+        if let Some(f) = b.failure() {
+            return Err(f);
+        }
+    }
     let Progress {
         done,
         coll_done,
@@ -581,7 +583,8 @@ pub(crate) fn resume_with(
                 });
             }
         }
-        if wait == Wait::Publish && published {
+        if wait == Wait::Publish && published || wait == Wait::PublishOnly {
+            // PublishOnly stalled: the ring is full; the caller checks on the host instead.
             return Ok(false);
         }
         // A peer on another core usually posts within microseconds; a slow one gets the CPU
