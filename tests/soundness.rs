@@ -212,15 +212,24 @@ fn send_against_a_gathers_part() -> Result<(), Failed> {
                 g.send(&comm, &x, 0, &s)?;
                 g.gather(&comm, &a, &mut none, 0, &s)
             })
+            .and_then(|()| comm.wait_stream(&s))
         } else {
             // The root's output (two elements), then a guard of 4096.
             let mut out = DeviceBuffer::<f32>::zeros(2 + 4096, &s).map_err(e)?;
             let mut r = DeviceBuffer::<f32>::zeros(4096, &s).map_err(e)?;
             let (head, _) = out.split_at_mut(2).map_err(e)?;
+            // The gather may be held (rank 1 not there yet): then its mismatch comes from the
+            // next call or the wait.
             let r = comm
                 .gather(&a, head, 0, &s)
-                .and_then(|()| comm.recv(&mut r, 1, &s));
-            let guard = out.to_vec(&s).map_err(e)?;
+                .and_then(|()| comm.recv(&mut r, 1, &s))
+                .and_then(|()| comm.wait_stream(&s));
+            // Read through a device copy: a host read of `out` itself reports the failed
+            // operation that wrote it last.
+            let _ = s.synchronize();
+            let mut copy = DeviceBuffer::<f32>::zeros(2 + 4096, &s).map_err(e)?;
+            copy.slice_mut(..).map_err(e)?.copy_from(&out, &s).map_err(e)?;
+            let guard = copy.to_vec(&s).map_err(e)?;
             if guard[2..].iter().any(|&v| v != 0.0) {
                 return Err("NCCL wrote past the gather's output".into());
             }

@@ -476,7 +476,12 @@ impl Communicator {
                 idle &= unsafe { crate::result::cudart::event_query(e.raw) }?;
             }
             if idle {
-                return Ok(());
+                // A held group that failed completes too (its gate opens when it fails): the
+                // failure is set before that.
+                return match self.shared.gating.failed.get() {
+                    Some(e) => Err(e.clone()),
+                    None => Ok(()),
+                };
             }
             {
                 let state = self.shared.lock();
@@ -758,6 +763,11 @@ impl Drop for Communicator {
         if let Some(mut a) = aborter {
             drop(a.handle.take());
             let _ = a.thread.join();
+        }
+        // Likewise an abort that a failure handed to a thread of its own.
+        let aborting = self.shared.lock().aborting.take();
+        if let Some(t) = aborting {
+            let _ = t.join();
         }
     }
 }

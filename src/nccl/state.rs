@@ -96,6 +96,9 @@ pub(crate) struct State {
     pub(crate) graph_aborter: Option<GraphAborter>,
     /// Shared with [`Shared::gating`]: a break opens the gates before it aborts.
     pub(crate) gating: Arc<Gating>,
+    /// The thread of a [`State::break_detached`]'s abort: the communicator's drop waits for it,
+    /// so that no NCCL call is left running behind its owner (at process exit, say).
+    pub(crate) aborting: Option<std::thread::JoinHandle<()>>,
 }
 
 /// A thread, started when a communicator is given to a graph, that aborts it when handed its
@@ -144,6 +147,7 @@ impl State {
             graph_aborter: None,
             rank,
             gating: Arc::default(),
+            aborting: None,
         }
     }
 
@@ -187,9 +191,10 @@ impl State {
                 }
             });
         match spawned {
-            Ok(_) => {
+            Ok(thread) => {
                 // The thread lives until it has the handle.
                 let _ = to.send(raw);
+                self.aborting = Some(thread);
             }
             // No thread: abort here after all.
             Err(_) => abort(raw, ordinal),
