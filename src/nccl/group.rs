@@ -823,9 +823,13 @@ impl<'a> Group<'a> {
                 }
             }
             // SAFETY: the streams are live (borrowed for the group). The gate opens in bounded
-            // time on every path: the gatekeeper checks the held group (queued once this
-            // returns) with its timeout, or opens it when that has passed; a failure anywhere
-            // breaks the communicator, which opens it; and the gate opens when dropped.
+            // time on every path: the group is queued right after this returns, with its
+            // deadline (`Hold::queue`), and the gatekeeper checks it with its timeout or opens
+            // it once that has passed; a failure or panic before it is queued breaks the
+            // communicator (`BreakUnlessPosted`), which opens every gate; a failure found while
+            // this holds the lock is a break at the gatekeeper's next try, which opens it; and
+            // the gate opens when dropped. (Between this and the queueing the deadline is not
+            // yet published: microseconds, on this thread.)
             match unsafe { gate.shut(&streams) } {
                 Ok(t) => ticket = Some(t),
                 Err(e) => {
