@@ -565,7 +565,7 @@ impl<'a> Group<'a> {
         }
         let posted = |pairs: &[PairOps<'_>], colls: &[CollOps<'_>]| {
             for (_, boxes) in &locked {
-                boxes.connected.borrow_mut().posted(pairs, colls);
+                boxes.note_posted(pairs, colls);
             }
         };
         let fail = |f: Failure| {

@@ -83,9 +83,9 @@ pub(crate) struct Connected {
 const SHAPES: usize = 256;
 
 /// A group's collectives as [`Connected`] remembers them.
-fn signature(colls: &[CollOps<'_>]) -> SmallVec<[CollDesc; 2]> {
+fn signature<'a, 'b: 'a>(colls: impl IntoIterator<Item = &'a CollOps<'b>>) -> SmallVec<[CollDesc; 2]> {
     colls
-        .iter()
+        .into_iter()
         .flat_map(|c| &c.ops)
         .map(|d| CollDesc {
             root: 0,
@@ -101,8 +101,12 @@ impl Connected {
         self.p2p.get(peer).is_some_and(|s| s[dir as usize])
     }
 
-    /// Notes a group posted: NCCL set up what it needed.
-    pub(crate) fn posted(&mut self, pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) {
+    /// Notes operations posted on this communicator: NCCL set up what they needed.
+    fn posted<'a, 'b: 'a>(
+        &mut self,
+        pairs: impl Iterator<Item = &'a PairOps<'b>>,
+        colls: impl Iterator<Item = &'a CollOps<'b>>,
+    ) {
         for p in pairs {
             if self.p2p.len() <= p.peer {
                 self.p2p.resize(p.peer + 1, [false; 2]);
@@ -239,6 +243,15 @@ impl Held {
 }
 
 impl Mailboxes {
+    /// Notes a group posted: of its `pairs` and `colls`, those of this communicator, whose
+    /// connections NCCL has now set up (another communicator's are its own).
+    pub(crate) fn note_posted(&self, pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) {
+        self.connected.borrow_mut().posted(
+            pairs.iter().filter(|p| std::ptr::eq(p.boxes, self)),
+            colls.iter().filter(|c| std::ptr::eq(c.boxes, self)),
+        );
+    }
+
     /// Queues a group posted behind gate ticket `ticket`, after every group held before.
     pub(crate) fn hold(&self, mut held: Held, ticket: u32) {
         held.ticket = ticket;
@@ -399,6 +412,31 @@ mod tests {
         );
         // Both outcomes occur: one rank first (it holds), or both compare.
         println!("{held} holds in {rounds} rounds");
+    }
+
+    /// A group over two communicators notes each one's operations on that one only: NCCL
+    /// connected communicator A's peer, not B's, and a first send on B must not be held (it
+    /// would wait for the peer's host inside `ncclGroupEnd`).
+    #[test]
+    fn what_one_communicator_posted_connects_only_that_one() {
+        let (a, _) = two_boxes();
+        let (b, _) = two_boxes();
+        let t = Duration::from_secs(1);
+        let on_a = pair_of(&a, 1, &[8], &[8], t);
+        a.note_posted(std::slice::from_ref(&on_a), &[]);
+        b.note_posted(std::slice::from_ref(&on_a), &[]);
+        assert!(
+            may_hold(&[pair_of(&a, 1, &[8], &[8], t)], &[]),
+            "A's peer is connected"
+        );
+        assert!(
+            !may_hold(&[pair_of(&b, 1, &[8], &[], t)], &[]),
+            "B's send was held"
+        );
+        assert!(
+            !may_hold(&[pair_of(&b, 1, &[], &[8], t)], &[]),
+            "B's receive was held"
+        );
     }
 
     // The review of held groups (2026-12-04): each failed before its fix.

@@ -63,7 +63,7 @@ pub(crate) struct Mailboxes {
     /// counters stop at the failed group).
     failed: RefCell<Option<Failure>>,
     /// What NCCL has connected ([`held::Connected`]).
-    pub(crate) connected: RefCell<held::Connected>,
+    connected: RefCell<held::Connected>,
 }
 
 const SENT: usize = 0;
