@@ -195,10 +195,8 @@ fn look(boxes: &Mutex<Mailboxes>, shared: &Shared) -> Look {
 
 /// Breaks `shared` for `e`, which its next group returns; false if its state is locked now.
 fn try_break(shared: &Shared, e: &Error) -> bool {
-    let mut state = match shared.state.try_lock() {
-        Ok(s) => s,
-        Err(TryLockError::Poisoned(p)) => p.into_inner(),
-        Err(TryLockError::WouldBlock) => return false,
+    let Some(mut state) = shared.try_lock() else {
+        return false;
     };
     trace::event!(
         warn,

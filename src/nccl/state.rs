@@ -295,6 +295,16 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The state if its lock is free (a poisoned lock is still usable: every update of the
+    /// state is one step): for the threads that must never wait for an NCCL call.
+    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, State>> {
+        match self.state.try_lock() {
+            Ok(s) => Some(s),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// Marks the communicator unusable and aborts it (see [`State::break_with`]).
     pub(crate) fn break_with(&self, reason: String, cut: Cut) {
         self.lock().break_with(reason, self.ordinal, cut);

@@ -4,7 +4,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, TryLockError, Weak};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -119,11 +119,7 @@ impl CommCompletion {
     /// The communicator's asynchronous error, or why it is unusable, if its lock is free.
     fn comm_error(shared: &Weak<Shared>) -> Option<Error> {
         let shared = shared.upgrade()?;
-        let state = match shared.state.try_lock() {
-            Ok(s) => s,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return None,
-        };
+        let state = shared.try_lock()?;
         let raw = match usable(&state) {
             Ok(raw) => raw,
             Err(e) => return Some(e),

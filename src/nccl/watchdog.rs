@@ -63,7 +63,7 @@
 //! bound.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use crate::nccl::verify::mailbox::now_ms;
@@ -223,7 +223,7 @@ fn abort_unwatchable(shared: &Shared) {
     let Some(reason) = shared.unwatchable.get() else {
         return;
     };
-    if let Some(mut state) = try_state(shared)
+    if let Some(mut state) = shared.try_lock()
         && state.broken.is_none()
     {
         state.break_with(reason.clone(), shared.ordinal, Cut::All);
@@ -258,19 +258,9 @@ impl Gpu for Cuda {
     }
 }
 
-/// The communicator's state if its lock is free (a poisoned lock is still usable: every update
-/// of the state is one step).
-fn try_state(shared: &Shared) -> Option<MutexGuard<'_, State>> {
-    match shared.state.try_lock() {
-        Ok(s) => Some(s),
-        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-        Err(TryLockError::WouldBlock) => None,
-    }
-}
-
 /// The state, if its lock is free and the communicator still live.
 fn live_state(shared: &Shared) -> Option<MutexGuard<'_, State>> {
-    try_state(shared).filter(live)
+    shared.try_lock().filter(live)
 }
 
 /// Whether the communicator is live: neither broken nor destroyed.
