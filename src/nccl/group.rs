@@ -747,7 +747,7 @@ impl Hold<'_> {
         };
         let boxes = b.lock().unwrap_or_else(|p| p.into_inner());
         boxes.hold(self.held, ticket);
-        note_deadline(self.comm, &boxes);
+        gatekeeper::note_deadline(&self.comm.shared.gating, &boxes);
         drop(boxes);
         gatekeeper::keep(b, &self.comm.shared);
     }
@@ -763,14 +763,10 @@ fn settle(comm: &Communicator, boxes: &Mailboxes, wait: Wait) -> Result<()> {
         comm.break_held(&e);
         return Err(e);
     }
-    note_deadline(comm, boxes);
+    gatekeeper::note_deadline(gating, boxes);
     Ok(())
 }
 
-/// Tells the gatekeeper when the oldest held group runs out of time.
-pub(crate) fn note_deadline(comm: &Communicator, boxes: &Mailboxes) {
-    gatekeeper::note_deadline(&comm.shared.gating, boxes);
-}
 
 /// Breaks the communicators of a verified group unless it reached NCCL.
 struct BreakUnlessPosted<'g, 'a> {
