@@ -767,7 +767,6 @@ fn settle(comm: &Communicator, boxes: &Mailboxes, wait: Wait) -> Result<()> {
     Ok(())
 }
 
-
 /// Breaks the communicators of a verified group unless it reached NCCL.
 struct BreakUnlessPosted<'g, 'a> {
     comms: &'g [&'a Communicator],
