@@ -342,17 +342,6 @@ mod tests {
 
     use super::*;
     use crate::nccl::verify::mailbox::Region;
-    use crate::nccl::verify::wire::P2P;
-
-    fn op(count: u64) -> OpDesc {
-        OpDesc {
-            part: P2P,
-            count,
-            dtype: 7,
-            captured: false,
-            nccl_memory: 0,
-        }
-    }
 
     /// Two ranks publish a differing send and receive at the same moment, many times: at least
     /// one of them sees the other's entry and refuses, so never do both go to NCCL unchecked.
@@ -378,9 +367,9 @@ mod tests {
                     .iter()
                     .map(|b| {
                         let (sends, recvs) = if rank == 0 {
-                            (vec![op(8)], vec![])
+                            (vec![OpDesc::f32_p2p(8)], vec![])
                         } else {
-                            (vec![], vec![op(7)])
+                            (vec![], vec![OpDesc::f32_p2p(7)])
                         };
                         let p = PairOps {
                             boxes: b,
@@ -449,8 +438,8 @@ mod tests {
         PairOps {
             boxes: b,
             peer,
-            sends: sends.iter().map(|&c| op(c)).collect(),
-            recvs: recvs.iter().map(|&c| op(c)).collect(),
+            sends: sends.iter().map(|&c| OpDesc::f32_p2p(c)).collect(),
+            recvs: recvs.iter().map(|&c| OpDesc::f32_p2p(c)).collect(),
             timeout: t,
         }
     }

@@ -422,16 +422,6 @@ fn hostile_pair() -> (Mailboxes, Arc<Region>) {
     (Mailboxes::new(0, regions), peer)
 }
 
-fn op(count: u64) -> OpDesc {
-    OpDesc {
-        count,
-        dtype: 7,
-        captured: false,
-        nccl_memory: 0,
-        part: P2P,
-    }
-}
-
 #[test]
 fn verification_against_a_hostile_peer_ends_within_its_timeout() {
     // This rank verifies up to 1.5 * RING sends and receives, and a few collectives (more than a
@@ -466,10 +456,10 @@ fn verification_against_a_hostile_peer_ends_within_its_timeout() {
                 // The counterparts, as far as a ring holds them, and counters as if it checked
                 // everything of this rank's: then the hostile writes below.
                 for (i, &c) in sends.iter().take(RING as usize).enumerate() {
-                    peer.publish(0, Dir::Recv, i as u64, op(c));
+                    peer.publish(0, Dir::Recv, i as u64, OpDesc::f32_p2p(c));
                 }
                 for (i, &c) in recvs.iter().take(RING as usize).enumerate() {
-                    peer.publish(0, Dir::Send, i as u64, op(c));
+                    peer.publish(0, Dir::Send, i as u64, OpDesc::f32_p2p(c));
                 }
                 // One group of them, as this rank posts it.
                 for i in 0..colls {
@@ -508,8 +498,8 @@ fn verification_against_a_hostile_peer_ends_within_its_timeout() {
             let pair = PairOps {
                 boxes: &boxes,
                 peer: 1,
-                sends: sends.iter().map(|&c| op(c)).collect(),
-                recvs: recvs.iter().map(|&c| op(c)).collect(),
+                sends: sends.iter().map(|&c| OpDesc::f32_p2p(c)).collect(),
+                recvs: recvs.iter().map(|&c| OpDesc::f32_p2p(c)).collect(),
                 timeout,
             };
             let c = CollOps {

@@ -169,18 +169,7 @@ impl LocalRank for TestRank {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nccl::verify::wire::P2P;
     use TestRank as R;
-
-    fn op(count: u64) -> OpDesc {
-        OpDesc {
-            part: P2P,
-            count,
-            dtype: 7,
-            captured: false,
-            nccl_memory: 0,
-        }
-    }
 
     #[test]
     fn sends_to_oneself_match_the_receives_in_order() {
@@ -191,16 +180,16 @@ mod tests {
         };
         let q = |a: u64, b: u64| {
             [
-                (me, 0, Dir::Send, op(3)),
-                (me, 0, Dir::Send, op(5)),
-                (me, 0, Dir::Recv, op(a)),
-                (me, 0, Dir::Recv, op(b)),
+                (me, 0, Dir::Send, OpDesc::f32_p2p(3)),
+                (me, 0, Dir::Send, OpDesc::f32_p2p(5)),
+                (me, 0, Dir::Recv, OpDesc::f32_p2p(a)),
+                (me, 0, Dir::Recv, OpDesc::f32_p2p(b)),
             ]
         };
         match_pairs(&[me], &q(3, 5)).unwrap();
         let e = match_pairs(&[me], &q(5, 3)).unwrap_err();
         assert!(e.contains("must match one to one"), "{e}");
-        let e = match_pairs(&[me], &[(me, 0, Dir::Send, op(4))]).unwrap_err();
+        let e = match_pairs(&[me], &[(me, 0, Dir::Send, OpDesc::f32_p2p(4))]).unwrap_err();
         assert!(e.contains("[4 elements") && e.contains("[]"), "{e}");
     }
 
@@ -211,14 +200,17 @@ mod tests {
             world: 2,
             clique: true,
         };
-        let e = match_pairs(&[r(0)], &[(r(0), 1, Dir::Send, op(4))]).unwrap_err();
+        let e = match_pairs(&[r(0)], &[(r(0), 1, Dir::Send, OpDesc::f32_p2p(4))]).unwrap_err();
         assert!(
             e.contains("outside a group that holds rank 1's counterpart"),
             "{e}"
         );
         match_pairs(
             &[r(0), r(1)],
-            &[(r(0), 1, Dir::Send, op(4)), (r(1), 0, Dir::Recv, op(4))],
+            &[
+                (r(0), 1, Dir::Send, OpDesc::f32_p2p(4)),
+                (r(1), 0, Dir::Recv, OpDesc::f32_p2p(4)),
+            ],
         )
         .unwrap();
         // A peer in another process is not matched here (verification waits for it).
@@ -227,7 +219,7 @@ mod tests {
             world: 2,
             clique: false,
         };
-        match_pairs(&[alone], &[(alone, 1, Dir::Send, op(4))]).unwrap();
+        match_pairs(&[alone], &[(alone, 1, Dir::Send, OpDesc::f32_p2p(4))]).unwrap();
     }
 
     #[test]

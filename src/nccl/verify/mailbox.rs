@@ -742,31 +742,21 @@ pub(crate) fn mailbox_dir() -> PathBuf {
 mod tests {
     use super::*;
 
-    fn op(count: u64) -> OpDesc {
-        OpDesc {
-            part: crate::nccl::verify::wire::P2P,
-            count,
-            dtype: 7,
-            captured: false,
-            nccl_memory: 0,
-        }
-    }
-
     #[test]
     fn entries_round_trip_and_wrap_without_stale_reads() {
         let r = Region::in_process(3, 1);
         assert_eq!(r.read(2, Dir::Send, 0), None);
-        r.publish(2, Dir::Send, 0, op(10));
-        assert_eq!(r.read(2, Dir::Send, 0), Some(op(10)));
+        r.publish(2, Dir::Send, 0, OpDesc::f32_p2p(10));
+        assert_eq!(r.read(2, Dir::Send, 0), Some(OpDesc::f32_p2p(10)));
         // Another peer's and the other direction's rings are separate.
         assert_eq!(r.read(0, Dir::Send, 0), None);
         assert_eq!(r.read(2, Dir::Recv, 0), None);
         // Entry RING lands in entry 0's slot: a reader asking for 0 no longer sees it, and a
         // reader asking for RING does not see entry 0.
         assert_eq!(r.read(2, Dir::Send, RING), None);
-        r.publish(2, Dir::Send, RING, op(11));
+        r.publish(2, Dir::Send, RING, OpDesc::f32_p2p(11));
         assert_eq!(r.read(2, Dir::Send, 0), None);
-        assert_eq!(r.read(2, Dir::Send, RING), Some(op(11)));
+        assert_eq!(r.read(2, Dir::Send, RING), Some(OpDesc::f32_p2p(11)));
     }
 
     #[test]
@@ -842,8 +832,8 @@ mod tests {
         let dir = std::env::temp_dir();
         let (mine, path) = Region::create_file(&dir, 2, 1, 0xabc).unwrap();
         let theirs = Region::open_file(&path, 2, 1, 0xabc).unwrap();
-        mine.publish(0, Dir::Recv, 0, op(3));
-        assert_eq!(theirs.read(0, Dir::Recv, 0), Some(op(3)));
+        mine.publish(0, Dir::Recv, 0, OpDesc::f32_p2p(3));
+        assert_eq!(theirs.read(0, Dir::Recv, 0), Some(OpDesc::f32_p2p(3)));
         mine.set_broken(); // the same memory
         assert_eq!(theirs.status(), BROKEN);
         let e = Region::open_file(&path, 2, 1, 0xdef).err().unwrap();

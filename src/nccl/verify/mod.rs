@@ -680,16 +680,6 @@ mod tests {
 
     const F32: u32 = 7;
 
-    fn op(count: u64) -> OpDesc {
-        OpDesc {
-            part: wire::P2P,
-            count,
-            dtype: F32,
-            captured: false,
-            nccl_memory: 0,
-        }
-    }
-
     /// The mailboxes of `world` ranks in one process.
     fn world(n: usize) -> Vec<Mailboxes> {
         let regions: Arc<[Arc<Region>]> = (0..n).map(|r| Arc::new(Region::in_process(n, r))).collect();
@@ -860,8 +850,8 @@ mod tests {
         PairOps {
             boxes,
             peer,
-            sends: sends.iter().map(|&c| op(c)).collect(),
-            recvs: recvs.iter().map(|&c| op(c)).collect(),
+            sends: sends.iter().map(|&c| OpDesc::f32_p2p(c)).collect(),
+            recvs: recvs.iter().map(|&c| OpDesc::f32_p2p(c)).collect(),
             timeout: Duration::from_secs(5),
         }
     }

@@ -29,6 +29,20 @@ pub(crate) struct OpDesc {
 /// [`OpDesc::part`] of a user's own send or receive.
 pub(crate) const P2P: u8 = 0;
 
+#[cfg(test)]
+impl OpDesc {
+    /// The tests' usual operation: a user's send or receive of `count` f32 in plain memory.
+    pub(crate) fn f32_p2p(count: u64) -> OpDesc {
+        OpDesc {
+            part: P2P,
+            count,
+            dtype: 7,
+            captured: false,
+            nccl_memory: 0,
+        }
+    }
+}
+
 /// Why memory's kind is compared for captured operations: NCCL 2.28.3 registers a captured
 /// transfer's buffer itself (`ncclRegisterP2pIpcBuffer`: `comm->planner.persistent &&
 /// ncclParamGraphRegister()`, src/register/sendrecv_reg.cc), which succeeds for `ncclMemAlloc`
