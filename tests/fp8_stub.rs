@@ -185,14 +185,10 @@ fn main() {
         child_old_nccl(open(&nccl))
     });
     let mut args = Arguments::from_args();
-    let Some((dir, cudart, nccl)) = stubs::build_pair("fp8_stub", "nccl.c") else {
+    // SAFETY: no other thread exists yet, and nothing has read the environment.
+    let Some((dir, cudart, nccl)) = (unsafe { stubs::install_pair("fp8_stub", "nccl.c") }) else {
         return;
     };
-    // SAFETY: no other thread exists yet, and nothing has read the environment.
-    unsafe {
-        std::env::set_var("HANDOFF_CUDART_PATH", &cudart);
-        std::env::set_var("HANDOFF_NCCL_PATH", &nccl);
-    }
     let stubs = open(&nccl);
     let trial = |name: &str, f: fn(&Stubs) -> Result<(), Failed>| Trial::test(name, move || f(stubs));
     let trials = vec![

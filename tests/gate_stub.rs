@@ -221,14 +221,10 @@ fn main() {
     let mut args = Arguments::from_args();
     // The stub NCCL gathers between the threads of one communicator at a time.
     args.test_threads = Some(1);
-    let Some((dir, cudart, nccl)) = stubs::build_pair("gate_stub", "nccl.c") else {
+    // SAFETY: no other thread exists yet, and nothing has read the environment.
+    let Some((dir, cudart, nccl)) = (unsafe { stubs::install_pair("gate_stub", "nccl.c") }) else {
         return;
     };
-    // SAFETY: no other thread exists yet, and nothing has read the environment.
-    unsafe {
-        std::env::set_var("HANDOFF_CUDART_PATH", &cudart);
-        std::env::set_var("HANDOFF_NCCL_PATH", &nccl);
-    }
     stubs::set(&cudart, b"cudart_stub_set_devices\0", 2).expect("stub runtime");
     stubs::set(&nccl, b"nccl_stub_set_gather\0", 1).expect("stub NCCL");
     CUDART.set(cudart).expect("once");

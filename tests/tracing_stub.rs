@@ -182,14 +182,10 @@ fn graph_capture() -> Result<(), Failed> {
 
 fn main() {
     let args = Arguments::from_args();
-    let Some((dir, cudart, nccl)) = stubs::build_pair("tracing_stub", "nccl.c") else {
+    // SAFETY: no other thread exists yet, and nothing has read the environment.
+    let Some((dir, cudart, nccl)) = (unsafe { stubs::install_pair("tracing_stub", "nccl.c") }) else {
         return;
     };
-    // SAFETY: no other thread exists yet, and nothing has read the environment.
-    unsafe {
-        std::env::set_var("HANDOFF_CUDART_PATH", &cudart);
-        std::env::set_var("HANDOFF_NCCL_PATH", &nccl);
-    }
     stubs::set(&cudart, b"cudart_stub_set_devices\0", 2).expect("stub runtime");
     stubs::set(&nccl, b"nccl_stub_set_gather\0", 1).expect("stub NCCL");
     tracing::subscriber::set_global_default(Collect {

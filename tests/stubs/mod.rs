@@ -72,6 +72,23 @@ pub fn build_pair(binary: &str, nccl_c: &str) -> Option<(PathBuf, PathBuf, PathB
     }
 }
 
+/// [`build_pair`], then points this process at the pair (`HANDOFF_CUDART_PATH`,
+/// `HANDOFF_NCCL_PATH`), for a test binary whose trials all run on the stubs.
+///
+/// # Safety
+/// As [`std::env::set_var`]: no other thread exists yet, and nothing reads the environment
+/// meanwhile.
+#[allow(dead_code)] // Not every test binary that builds stubs runs on them itself.
+pub unsafe fn install_pair(binary: &str, nccl_c: &str) -> Option<(PathBuf, PathBuf, PathBuf)> {
+    let (dir, cudart, nccl) = build_pair(binary, nccl_c)?;
+    // SAFETY: the caller's promise.
+    unsafe {
+        std::env::set_var("HANDOFF_CUDART_PATH", &cudart);
+        std::env::set_var("HANDOFF_NCCL_PATH", &nccl);
+    }
+    Some((dir, cudart, nccl))
+}
+
 /// Calls `void name(int)` in the stub library at `lib` (one of the stubs' setters), leaving the
 /// library loaded: the crate's own opening of it then finds the same statics.
 #[allow(dead_code)] // Not every test binary that builds stubs sets them this way.
