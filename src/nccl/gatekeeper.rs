@@ -36,6 +36,9 @@ static WAKE: Condvar = Condvar::new();
 /// Counts [`keep`]'s calls (under [`KEPT`]'s lock): a round that began before one does not
 /// go to sleep after it.
 static HOLDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Whether the gatekeeper sleeps on [`WAKE`] (set and cleared under [`KEPT`]'s lock): only then
+/// does [`keep`] wake it, a system call that a held group need not pay otherwise.
+static SLEEPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// How long the gatekeeper sleeps between looks while a group is held and nothing moved.
 const LOOK: Duration = Duration::from_micros(20);
@@ -54,18 +57,19 @@ pub(crate) fn running() -> bool {
     })
 }
 
-/// Has the gatekeeper look after `boxes`' held groups.
+/// Has the gatekeeper look after `boxes`' held groups (listed at the communicator's first).
 pub(crate) fn keep(boxes: &Arc<Mutex<Mailboxes>>, shared: &Arc<Shared>) {
     let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
-    let weak = Arc::downgrade(shared);
-    if !kept.iter().any(|k| k.shared.ptr_eq(&weak)) {
+    if !shared.gating.kept.swap(true, Ordering::Relaxed) {
         kept.push(Kept {
             boxes: Arc::downgrade(boxes),
-            shared: weak,
+            shared: Arc::downgrade(shared),
         });
     }
     HOLDS.fetch_add(1, Ordering::Relaxed);
-    WAKE.notify_one();
+    if SLEEPING.load(Ordering::Relaxed) {
+        WAKE.notify_one();
+    }
 }
 
 /// Publishes when `boxes`' oldest held group runs out of time (for a look without its lock).
@@ -129,7 +133,10 @@ fn run() {
         if !holding {
             let kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
             if HOLDS.load(Ordering::Relaxed) == round {
-                let _ = WAKE.wait_timeout(kept, IDLE);
+                SLEEPING.store(true, Ordering::Relaxed);
+                let (kept, _) = WAKE.wait_timeout(kept, IDLE).unwrap_or_else(|p| p.into_inner());
+                SLEEPING.store(false, Ordering::Relaxed);
+                drop(kept);
             }
         } else if moved {
             std::thread::yield_now();

@@ -46,6 +46,8 @@ pub(crate) struct Gating {
     pub(crate) deadline: AtomicU64,
     /// Set when the communicator breaks: its held groups need no checking any more.
     pub(crate) broken: std::sync::atomic::AtomicBool,
+    /// Whether the gatekeeper lists this communicator (from its first held group on).
+    pub(crate) kept: std::sync::atomic::AtomicBool,
     /// The error a held group failed with after its call returned: every later call on the
     /// communicator returns it, as that call would have. Set before anything else happens to
     /// the communicator (its break may have to wait for its lock), so that no later group is
