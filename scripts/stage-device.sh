@@ -55,6 +55,11 @@ RUSTFLAGS="--cfg handoff_bypass_tracking" stage_tests "$stage/bypass" --target-d
 mkdir -p "$stage/bypass-gate"
 RUSTFLAGS="--cfg handoff_bypass_gate_check" stage_tests "$stage/bypass-gate" --target-dir target/bypass-gate --test gates
 mv "$stage/bypass-gate/gates" "$stage/bypass/gates-unchecked" && rmdir "$stage/bypass-gate"
+# And tests/graphs with a family's replays not verified (--cfg handoff_bypass_replay_check):
+# its family mismatch test must fail.
+mkdir -p "$stage/bypass-replay"
+RUSTFLAGS="--cfg handoff_bypass_replay_check" stage_tests "$stage/bypass-replay" --target-dir target/bypass-replay --test graphs
+mv "$stage/bypass-replay/graphs" "$stage/bypass/graphs-replays-unchecked" && rmdir "$stage/bypass-replay"
 
 du -sh "$stage"
 ls -l "$stage"/*

@@ -384,6 +384,6 @@ pub use cuda::{EventCompletion, HostRead, StreamCompletion};
 pub use error::{Error, ErrorKind, Result};
 pub use nccl::bootstrap::Launch;
 pub use nccl::{
-    CommOptions, Communicator, CtaPolicy, Group, NcclType, ReduceOp, Registration, UniqueId, Window, group,
-    pending_nccl_frees,
+    CommOptions, Communicator, CtaPolicy, GraphFamily, Group, NcclType, ReduceOp, Registration, UniqueId,
+    Window, group, pending_nccl_frees,
 };

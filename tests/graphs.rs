@@ -1,6 +1,8 @@
 //! CUDA graphs through handoff (issue 12): capture, tracked replays, what a capture refuses,
-//! buffers dropped under a graph, and NCCL replays on two ranks in different orders. The
-//! hazard tests fail with tracking bypassed (`scripts/stage-device.sh` builds that twin).
+//! buffers dropped under a graph, and NCCL replays on two ranks in different orders; graph
+//! families (many graphs over one communicator, issue 32), whose replays are verified. The
+//! hazard tests fail with tracking bypassed, and the family's mismatch test with replays not
+//! verified (`--cfg handoff_bypass_replay_check`; `scripts/stage-device.sh` builds both twins).
 //!
 //! Reported as ignored where no GPU is usable; see `tests/common/mod.rs`.
 
@@ -10,7 +12,10 @@ use std::time::{Duration, Instant};
 
 use common::{Gpus, assert_all_eq};
 use handoff::kernels::{self, produced_value};
-use handoff::{CommOptions, Communicator, DeviceBuffer, Error, Event, Graph, HostBuffer, Stream, group};
+use handoff::{
+    CommOptions, Communicator, DeviceBuffer, Error, Event, Graph, GraphFamily, HostBuffer, ReduceOp, Stream,
+    group,
+};
 use libtest_mimic::Failed;
 
 /// Long enough that, without tracking, work queued after it on another stream runs while it
@@ -68,6 +73,14 @@ fn main() {
         g.ranks_trial(
             "replays_on_two_ranks_in_different_orders_end_right_or_bounded",
             replays_in_different_orders,
+        ),
+        g.ranks_trial(
+            "a_family_of_graphs_replayed_in_one_order_on_both_ranks_gives_the_right_data",
+            family_replays,
+        ),
+        g.ranks_trial(
+            "family_replays_of_different_graphs_are_a_mismatch_on_both_ranks_with_nothing_transferred",
+            family_mismatch,
         ),
     ])
 }
@@ -489,6 +502,149 @@ fn replays_in_different_orders() -> Result<(), Failed> {
     println!("rank 0: {r0}\nrank 1: {r1}");
     for r in [&r0, &r1] {
         if r.contains("WRONG") || r.contains("UNBOUNDED") {
+            return Err(r.clone().into());
+        }
+    }
+    Ok(())
+}
+
+/// What a rank's output buffers hold before a replay writes them.
+const CANARY: f32 = -1.0;
+
+/// Connects `comm` for what the family tests capture: rank 0's send to rank 1, and all-reduces
+/// of `sizes` (NCCL connects per algorithm, which it picks by size).
+fn connect(comm: &Communicator, sizes: &[usize], s: &Stream) -> handoff::Result<()> {
+    let mut x = DeviceBuffer::<f32>::zeros(4096, s)?;
+    one_way(comm, &mut x, s)?;
+    for &n in sizes {
+        comm.all_reduce_in_place(x.slice_mut(..n)?, ReduceOp::Sum, s)?;
+    }
+    comm.barrier_wait(s)
+}
+
+/// Two ranks, one family of three graphs: all-reduces of 256 and 4096 elements and a send of
+/// 1024 from rank 0 to rank 1. After the captures every output is reset to a canary; both
+/// ranks replay in the order B, A, P, B; then every output holds what the replays computed.
+fn family_replays() -> Result<(), Failed> {
+    let results = common::two_ranks(
+        [CommOptions::default().with_timeout(Duration::from_secs(20)); 2],
+        |made| {
+            let comm = made.map_err(|e| e.to_string())?;
+            let rank = comm.rank();
+            let run = || -> handoff::Result<String> {
+                let s = Stream::new(comm.device())?;
+                connect(&comm, &[256, 4096], &s)?;
+                let me = (rank + 1) as f32;
+                let in_a = DeviceBuffer::from_slice(&[me; 256], &s)?;
+                let in_b = DeviceBuffer::from_slice(&vec![2.0 * me; 4096], &s)?;
+                let mut out_a = DeviceBuffer::<f32>::zeros(256, &s)?;
+                let mut out_b = DeviceBuffer::<f32>::zeros(4096, &s)?;
+                let mut p = DeviceBuffer::from_slice(&vec![if rank == 0 { 7.0 } else { CANARY }; 1024], &s)?;
+                let family = GraphFamily::new(comm, &s)?;
+                let a = family.capture(&s, |s, c| c.all_reduce(&in_a, &mut out_a, ReduceOp::Sum, s))?;
+                let b = family.capture(&s, |s, c| c.all_reduce(&in_b, &mut out_b, ReduceOp::Sum, s))?;
+                let pg = family.capture(&s, |s, c| one_way(c, &mut p, s))?;
+                out_a.copy_from_slice(&[CANARY; 256], &s)?;
+                out_b.copy_from_slice(&vec![CANARY; 4096], &s)?;
+                if rank == 1 {
+                    p.copy_from_slice(&vec![CANARY; 1024], &s)?;
+                }
+                let t = Instant::now();
+                for g in [&b, &a, &pg, &b] {
+                    g.launch(&s)?;
+                }
+                let queued = t.elapsed();
+                family.synchronize()?;
+                let (va, vb, vp) = (out_a.to_vec(&s)?, out_b.to_vec(&s)?, p.to_vec(&s)?);
+                let wrong = va.iter().any(|&v| v != 3.0)
+                    || vb.iter().any(|&v| v != 6.0)
+                    || vp.iter().any(|&v| v != 7.0);
+                Ok(format!(
+                    "{}four replays queued in {queued:?}",
+                    if wrong { "WRONG DATA: " } else { "" }
+                ))
+            };
+            run().map_err(|e| e.to_string())
+        },
+    )?;
+    let [r0, r1] = common::both_ok(results)?;
+    println!("rank 0: {r0}\nrank 1: {r1}");
+    for r in [&r0, &r1] {
+        if r.contains("WRONG") {
+            return Err(r.clone().into());
+        }
+    }
+    Ok(())
+}
+
+/// Two families per rank: one of all-reduces of 256 (A) and 512 (B), one of sends from rank 0
+/// to rank 1 of 1024 (P) and 512 (Q). Rank 0 replays A, rank 1 B: both get `Error::Mismatch`,
+/// and neither output changes. Then rank 0 replays P, rank 1 Q: the same, and none of rank 0's
+/// data reaches rank 1's buffers (NCCL would write a longer send past a shorter receive).
+fn family_mismatch() -> Result<(), Failed> {
+    let options = CommOptions::default().with_timeout(Duration::from_secs(20));
+    let results = common::two_ranks([options; 2], |made| {
+        let comm = made.map_err(|e| e.to_string())?;
+        let rank = comm.rank();
+        let run = || -> handoff::Result<String> {
+            let s = Stream::new(comm.device())?;
+            let p2p = comm.split(Some(0), rank as i32)?.expect("colored");
+            connect(&comm, &[256, 512], &s)?;
+            connect(&p2p, &[], &s)?;
+            let x = DeviceBuffer::from_slice(&vec![7.0f32; 1024], &s)?;
+            let mut out_a = DeviceBuffer::from_slice(&[CANARY; 256], &s)?;
+            let mut out_b = DeviceBuffer::from_slice(&[CANARY; 512], &s)?;
+            let mut r_p = DeviceBuffer::from_slice(&vec![CANARY; 1024], &s)?;
+            let mut r_q = DeviceBuffer::from_slice(&vec![CANARY; 1024], &s)?;
+            let colls = GraphFamily::new(comm, &s)?;
+            let sends = GraphFamily::new(p2p, &s)?;
+            let a = colls.capture(&s, |s, c| {
+                c.all_reduce(x.slice(..256)?, &mut out_a, ReduceOp::Sum, s)
+            })?;
+            let b = colls.capture(&s, |s, c| {
+                c.all_reduce(x.slice(..512)?, &mut out_b, ReduceOp::Sum, s)
+            })?;
+            let transfer = |c: &Communicator, r: &mut DeviceBuffer<f32>, n: usize, s: &Stream| {
+                if c.rank() == 0 {
+                    c.send(x.slice(..n)?, 1, s)
+                } else {
+                    c.recv(r.slice_mut(..n)?, 0, s)
+                }
+            };
+            let pg = sends.capture(&s, |s, c| transfer(c, &mut r_p, 1024, s))?;
+            let qg = sends.capture(&s, |s, c| transfer(c, &mut r_q, 512, s))?;
+            let mut out = String::new();
+            for (what, g) in [
+                ("collectives", if rank == 0 { &a } else { &b }),
+                ("sends", if rank == 0 { &pg } else { &qg }),
+            ] {
+                match g.launch(&s) {
+                    Err(Error::Mismatch { detail }) => out += &format!("{what}: mismatch ({detail}); "),
+                    other => out += &format!("WRONG: {what}: the replay gave {other:?}; "),
+                }
+            }
+            // Whatever ran has finished (or was aborted) within the timeout.
+            let _ = s.synchronize();
+            for (name, buf) in [("A's output", &out_a), ("B's output", &out_b)] {
+                if buf.to_vec(&s)?.iter().any(|&v| v != CANARY) {
+                    out += &format!("WRONG: {name} changed; ");
+                }
+            }
+            if rank == 1 {
+                for (name, buf) in [("P's receive", &r_p), ("Q's receive", &r_q)] {
+                    if buf.to_vec(&s)?.iter().any(|&v| v != CANARY) {
+                        out += &format!("WRONG: {name} changed; ");
+                    }
+                }
+            }
+            Ok(out)
+        };
+        run().map_err(|e| e.to_string())
+    })?;
+    let [r0, r1] = common::both_ok(results)?;
+    println!("rank 0: {r0}\nrank 1: {r1}");
+    for r in [&r0, &r1] {
+        if r.contains("WRONG") {
             return Err(r.clone().into());
         }
     }

@@ -67,6 +67,10 @@
 //!   NCCL's resources still alive. Make the graph's communicator with
 //!   [`Communicator::split`](crate::Communicator::split) (or a fresh
 //!   [`Communicator::new`](crate::Communicator::new)).
+//! - **Or one communicator for a family of graphs.** [`crate::GraphFamily`] owns one
+//!   communicator for many graphs; as a replay could then meet another graph's operations,
+//!   each replay is compared with every peer's before it is launched, with the family's
+//!   communicator locked from the check to the launch (see there).
 //! - **Threads.** While a capture is under way, only the thread running its closure can queue
 //!   work on the stream; another thread's tracked work there is refused, not moved into the
 //!   graph behind its back. The engine decides each refusal under the stream's order lock,
@@ -145,8 +149,11 @@ pub struct Graph {
     uses: Vec<(Tracked, Access)>,
     /// What the nodes refer to besides memory (kernels' modules).
     _keep: Vec<Keep>,
-    /// The graph's own communicator, for graphs with NCCL operations. Dropped after `exec`.
+    /// The graph's communicator, its own or its family's, for graphs with NCCL operations.
+    /// Dropped after `exec`.
     comm: Option<Box<dyn GraphComm>>,
+    /// What its communicator verifies each replay against, in a family ([`ReplayComm::verify_replay`]).
+    replay_id: u64,
     /// Recorded by every replay, on the GPU, as its last node (`cudaEventRecordExternal` at
     /// the end of the capture): the tracking event of the latest replay launched, which a
     /// launch stores as the latest use of the graph's buffers without recording anything.
@@ -330,8 +337,30 @@ impl Graph {
 
     pub(crate) fn capture_inner(
         stream: &Stream,
-        mut comm: Option<Box<dyn GraphComm>>,
-        body: impl FnOnce(&Stream, Option<&dyn GraphComm>) -> Result<()>,
+        comm: Option<Box<dyn GraphComm>>,
+        body: impl FnOnce(&Stream, Option<&dyn ReplayComm>) -> Result<()>,
+    ) -> Result<Graph> {
+        let Some(comm) = comm else {
+            return Self::capture_locked(stream, None, body);
+        };
+        // The whole capture with the communicator to itself (a family's graphs share one).
+        let mut body = Some(body);
+        let mut graph = None;
+        comm.with(&mut |rc| {
+            let body = body.take().expect("called once");
+            graph = Some(Self::capture_locked(stream, Some(rc), body));
+            Ok(())
+        })?;
+        let mut graph = graph.expect("called once")?;
+        graph.origin = Some(comm.replay_origin());
+        graph.comm = Some(comm);
+        Ok(graph)
+    }
+
+    fn capture_locked(
+        stream: &Stream,
+        comm: Option<&dyn ReplayComm>,
+        body: impl FnOnce(&Stream, Option<&dyn ReplayComm>) -> Result<()>,
     ) -> Result<Graph> {
         stream.device().set_current()?;
         let replayed = stream.device().take_replayed_event()?;
@@ -345,8 +374,8 @@ impl Graph {
                 });
             }
             stream.check_not_captured_elsewhere()?;
-            if let Some(c) = comm.as_mut() {
-                c.give_to_graph()?;
+            if let Some(c) = comm {
+                c.begin_capture(stream.id())?;
             }
             // SAFETY: the stream is live and not being captured: not by handoff (its capture
             // state, checked above under the stream's order, which every tracked operation on it
@@ -368,9 +397,10 @@ impl Graph {
         let ran = {
             let _span = trace::entered!(DEBUG, "graph_capture", stream = stream.id().0);
             let _here = engine::CapturingHere::enter();
-            body(stream, comm.as_deref())
+            body(stream, comm)
         };
         let (graph, captured) = capturing.end(ran.is_ok().then_some(&*replayed));
+        let replay_id = comm.map_or(0, |c| c.end_capture(ran.is_ok() && graph.is_ok()));
         trace::event!(
             debug,
             device = stream.device().ordinal(),
@@ -399,23 +429,24 @@ impl Graph {
         // In the engine's lock order (by key) once, so that a replay sorts nothing.
         let mut uses = captured.uses.uses().to_vec();
         uses.sort_by_key(|(t, _)| t.key());
-        let origin = comm.as_ref().map(|c| c.replay_origin());
         // A graph without NCCL operations does not need the communicator; keep it anyway: it
-        // was given to the graph, and its verification order has moved on with the capture.
+        // was given to the graph, and its verification order has moved on with the capture
+        // (`capture_inner` sets it, and the origin of its replays).
         Ok(Graph {
             exec,
             device: stream.device().clone(),
             captured_on: stream.id(),
             uses,
             _keep: captured.keep,
-            comm,
+            comm: None,
+            replay_id,
             replayed,
             launches: Cell::new(0),
             completed: Cell::new(0),
             in_flight: RefCell::new(VecDeque::with_capacity(
                 MAX_REPLAYS_IN_FLIGHT / CHECKPOINT as usize + 1,
             )),
-            origin,
+            origin: None,
         })
     }
 
@@ -470,7 +501,23 @@ impl Graph {
                     .into(),
             ));
         }
-        self.bound_in_flight(comm.as_ref())?;
+        // From the in-flight bound to the replay's bookkeeping with the communicator to itself:
+        // in a family, replays reach the stream in the order they were verified.
+        comm.with(&mut |rc| self.replay_nccl(stream, rc, &uses))
+    }
+
+    /// One replay of a graph with NCCL operations, its communicator held.
+    fn replay_nccl(&self, stream: &Stream, comm: &dyn ReplayComm, uses: &[TrackedUse<'_>]) -> Result<()> {
+        let exec = self.exec.0;
+        comm.check_usable()?;
+        self.bound_in_flight(comm)?;
+        // In a family, the replay is compared with every peer's before it is launched; from
+        // then on it must reach the stream, or the communicator breaks (its peers' next
+        // replays would be compared with the wrong ones).
+        let verified = comm.verify_replay(self.replay_id)?;
+        let unposted = Unposted {
+            comm: verified.then_some(comm),
+        };
         let key = [comm.key()];
         let n = self.launches.get() + 1;
         // Counted whatever happens below: a replay counted but not launched only makes the
@@ -482,7 +529,7 @@ impl Graph {
         };
         let mut due = false;
         let r = engine::enqueue_replay(
-            &uses,
+            uses,
             Work::Nccl {
                 comms: &key,
                 abort: comm.aborter(),
@@ -492,12 +539,13 @@ impl Graph {
                 comm.check_usable()?;
                 // A graph of kernels is launched as CUDA work is, on the current device.
                 current.set(stream.device())?;
-                // Not under the communicator's lock: a launch that blocks (a full queue) must
-                // leave the watchdog free to abort the communicator, which stops the GPU work
-                // it waits behind. A launch racing an abort is harmless: its NCCL kernels see
-                // the abort and stop, and NCCL frees nothing while this graph lives.
-                // SAFETY: as above; the communicator runs nothing but this graph's replays,
-                // all on this stream.
+                // Not under the communicator's state lock: a launch that blocks (a full queue)
+                // must leave the watchdog free to abort the communicator, which stops the GPU
+                // work it waits behind. A launch racing an abort is harmless: its NCCL kernels
+                // see the abort and stop, and NCCL frees nothing while this graph lives.
+                // SAFETY: as above; the communicator runs nothing but its graphs' replays, all
+                // on this stream, each verified against its peers' (a family's) or the only
+                // graph on it (its own).
                 unsafe { cu::graph_launch(exec, stream.as_raw()) }
             },
             |_, event, before| {
@@ -508,6 +556,7 @@ impl Graph {
                 }
             },
         );
+        unposted.done(&r);
         if due {
             comm.trim();
         }
@@ -524,7 +573,7 @@ impl Graph {
     /// of its own: the communicator's watchdog counts one for those replays, as for any NCCL
     /// work, and past it aborts the communicator, which ends them (and this wait, with the
     /// abort's error).
-    fn bound_in_flight(&self, comm: &dyn GraphComm) -> Result<()> {
+    fn bound_in_flight(&self, comm: &dyn ReplayComm) -> Result<()> {
         let launched = self.launches.get();
         if launched - self.completed.get() < MAX_REPLAYS_IN_FLIGHT as u64 {
             return Ok(());
@@ -571,31 +620,76 @@ impl Graph {
     }
 }
 
-/// What a graph with NCCL operations needs of its communicator: implemented by the NCCL half's
-/// [`Communicator`](crate::Communicator) (`nccl/graph.rs`, with [`Graph::capture_with`]), so that
-/// the CUDA half names nothing of it.
+/// Breaks a verified replay's communicator unless the replay reached the stream.
+struct Unposted<'c> {
+    /// `None` once posted, or when nothing was verified.
+    comm: Option<&'c dyn ReplayComm>,
+}
+
+impl Unposted<'_> {
+    fn done(mut self, r: &Result<()>) {
+        if let (Some(c), Err(e)) = (self.comm.take(), r) {
+            c.unposted(e);
+        }
+    }
+}
+
+impl Drop for Unposted<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.comm.take() {
+            c.unposted(&Error::CommunicatorUnusable {
+                reason: "a panic between verifying a graph's replay and launching it".into(),
+            });
+        }
+    }
+}
+
+/// What a graph with NCCL operations holds of its communicator: its own
+/// ([`Graph::capture_with`]) or its family's ([`crate::GraphFamily`]). Implemented by the NCCL
+/// half (`nccl/graph.rs`, `nccl/family.rs`), so that the CUDA half names nothing of it.
 pub(crate) trait GraphComm: Send + 'static {
-    /// The communicator's key (the engine's and the capture's name for it).
-    fn key(&self) -> usize;
-    /// Hands the communicator to the graph (see `Communicator::give_to_graph`).
-    fn give_to_graph(&mut self) -> Result<()>;
-    /// An error once the communicator is unusable (aborted, its watchdog gone).
-    fn check_usable(&self) -> Result<()>;
+    /// Runs `f` with the communicator to itself, for one capture or one replay: a family's
+    /// graphs share one, so that replays reach the stream in the order they were verified.
+    ///
+    /// # Errors
+    /// `f`'s.
+    fn with(&self, f: &mut dyn FnMut(&dyn ReplayComm) -> Result<()>) -> Result<()>;
     /// What a replay's tracking event asks at a host read: whether the communicator's work,
     /// which received from every other rank, was cut short.
     fn replay_origin(&self) -> Arc<dyn Origin>;
+    /// The communicator itself, for [`Graph::communicator`]: a graph's own, not a family's.
+    fn communicator(&self) -> Option<&dyn std::any::Any>;
+}
+
+/// The communicator of a graph during a capture or a replay ([`GraphComm::with`]).
+pub(crate) trait ReplayComm {
+    /// The communicator's key (the engine's and the capture's name for it).
+    fn key(&self) -> usize;
+    /// A capture begins on `stream`: a family's must be on its stream, and its operations are
+    /// noted from here on, for its replays to be verified.
+    fn begin_capture(&self, stream: StreamId) -> Result<()>;
+    /// The capture ended (`ok`: into a graph): what its replays are verified against.
+    fn end_capture(&self, ok: bool) -> u64;
+    /// Compares the replay of the graph `id` ([`ReplayComm::end_capture`]) with every peer's
+    /// next one, waiting on the host for them (bounded by the timeout): true if it was (a
+    /// family's), false if nothing needs comparing (a graph's own communicator).
+    fn verify_replay(&self, id: u64) -> Result<bool>;
+    /// A verified replay did not reach the stream: breaks the communicator.
+    fn unposted(&self, e: &Error);
+    /// An error once the communicator is unusable (aborted, its watchdog gone).
+    fn check_usable(&self) -> Result<()>;
     /// Queues `event`, recorded after a replay that ran `before` first, for the watchdog;
-    /// returns whether the queue is due to be trimmed ([`GraphComm::trim`]).
+    /// returns whether the queue is due to be trimmed ([`ReplayComm::trim`]).
     fn note_pending_from(
         &self,
         event: &Arc<PooledEvent>,
         before: engine::Before,
         origin: &Arc<dyn Origin>,
     ) -> bool;
-    /// Drops what has completed from the watchdog's queue: called with no lock held.
+    /// Drops what has completed from the watchdog's queue: called with no engine lock held.
     fn trim(&self);
     /// How the engine aborts the communicator by key when it cannot track a replay.
     fn aborter(&self) -> fn(usize, &str);
-    /// The communicator itself, for [`Graph::communicator`].
+    /// The communicator itself, for the capture's body.
     fn as_any(&self) -> &dyn std::any::Any;
 }

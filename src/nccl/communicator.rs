@@ -66,6 +66,9 @@ pub struct Communicator {
     pub(crate) clique: Option<Arc<()>>,
     /// Given to a graph ([`crate::Graph::capture_with`]), which owns it from then on.
     pub(crate) in_graph: bool,
+    /// For a [`crate::GraphFamily`]'s communicator: its graphs' operations, which each replay
+    /// is verified against.
+    pub(crate) family: std::cell::RefCell<Option<crate::nccl::verify::replay::Replays>>,
     /// The origin of the last operation's tracking event, and the peers it received from: a
     /// next operation with the same peers shares it (see [`Communicator::note_pending`]).
     last_origin: std::cell::RefCell<Option<PeersOrigin>>,
@@ -104,6 +107,7 @@ impl Communicator {
             boxes: None,
             clique: None,
             in_graph: false,
+            family: std::cell::RefCell::new(None),
             last_origin: std::cell::RefCell::new(None),
             _not_sync: PhantomData,
         }

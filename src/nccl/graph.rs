@@ -4,28 +4,59 @@
 
 use std::sync::Arc;
 
-use crate::cuda::graph::{Graph, GraphComm};
+use crate::cuda::graph::{Graph, GraphComm, ReplayComm};
 use crate::engine::Before;
 use crate::engine::device::{Origin, PooledEvent};
 use crate::engine::stream::Stream;
-use crate::error::Result;
+use crate::engine::tracking::StreamId;
+use crate::error::{Error, Result};
 use crate::nccl::communicator::Communicator;
+use crate::nccl::family;
 
 impl GraphComm for Communicator {
-    fn key(&self) -> usize {
-        Communicator::key(self)
-    }
-
-    fn give_to_graph(&mut self) -> Result<()> {
-        Communicator::give_to_graph(self)
-    }
-
-    fn check_usable(&self) -> Result<()> {
-        Communicator::check_usable(self)
+    fn with(&self, f: &mut dyn FnMut(&dyn ReplayComm) -> Result<()>) -> Result<()> {
+        f(self)
     }
 
     fn replay_origin(&self) -> Arc<dyn Origin> {
         self.origin((0..self.world_size()).filter(|&r| r != self.rank()).collect())
+    }
+
+    fn communicator(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+impl ReplayComm for Communicator {
+    fn key(&self) -> usize {
+        Communicator::key(self)
+    }
+
+    fn begin_capture(&self, stream: StreamId) -> Result<()> {
+        match self.family.borrow_mut().as_mut() {
+            Some(f) => f.begin_capture(stream),
+            None => Ok(()),
+        }
+    }
+
+    fn end_capture(&self, ok: bool) -> u64 {
+        let world = self.world_size();
+        self.family
+            .borrow_mut()
+            .as_mut()
+            .map_or(0, |f| f.end_capture(ok, world))
+    }
+
+    fn verify_replay(&self, id: u64) -> Result<bool> {
+        family::verify_replay(self, id)
+    }
+
+    fn unposted(&self, e: &Error) {
+        self.break_with(e);
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        Communicator::check_usable(self)
     }
 
     fn note_pending_from(&self, event: &Arc<PooledEvent>, before: Before, origin: &Arc<dyn Origin>) -> bool {
@@ -58,13 +89,14 @@ impl Graph {
     /// documentation](crate::cuda::graph): NCCL cannot connect peers inside a capture).
     ///
     /// # Errors
-    /// As [`Graph::capture`]; [`Error::Capture`](crate::Error::Capture) for an NCCL operation of another communicator,
+    /// As [`Graph::capture`]; [`Error::Capture`] for an NCCL operation of another communicator,
     /// or of this one on another stream, or a PreMulSum collective; verification's errors.
     pub fn capture_with(
-        comm: Communicator,
+        mut comm: Communicator,
         stream: &Stream,
         body: impl FnOnce(&Stream, &Communicator) -> Result<()>,
     ) -> Result<Graph> {
+        comm.give_to_graph()?;
         Self::capture_inner(stream, Some(Box::new(comm)), |s, c| {
             let c = c.and_then(|c| c.as_any().downcast_ref::<Communicator>());
             body(s, c.expect("capture_with passes its communicator"))
@@ -74,6 +106,6 @@ impl Graph {
     /// The graph's communicator, for graphs made with [`Graph::capture_with`]: to wait for its
     /// replays ([`Communicator::synchronize`]) or read its rank.
     pub fn communicator(&self) -> Option<&Communicator> {
-        self.comm()?.as_any().downcast_ref()
+        self.comm()?.communicator()?.downcast_ref()
     }
 }

@@ -94,6 +94,10 @@ impl CollOp<'_> {
                 CollKind::AllToAll => nc::all_to_all(send, recv, count, dtype, comm, s),
                 CollKind::Gather => nc::gather(send, recv, count, dtype, root, comm, s),
                 CollKind::Scatter => nc::scatter(send, recv, count, dtype, root, comm, s),
+                // Verification's alone: no collective is made with it.
+                CollKind::Replay => Err(Error::InvalidArgument(
+                    "internal: a graph replay's description posted as a collective (a bug in handoff)".into(),
+                )),
             }
         }
     }
@@ -108,6 +112,7 @@ impl CollOp<'_> {
             CollKind::AllToAll => "ncclAlltoAll",
             CollKind::Gather => "ncclGather",
             CollKind::Scatter => "ncclScatter",
+            CollKind::Replay => "cudaGraphLaunch",
         }
     }
 }
@@ -133,7 +138,7 @@ impl Op<'_> {
 }
 
 /// One send or receive NCCL will queue: `(communicator, peer, direction, description)`.
-type Queued<'a> = local::Queued<&'a Communicator>;
+pub(crate) type Queued<'a> = local::Queued<&'a Communicator>;
 
 impl LocalRank for &Communicator {
     fn rank(self) -> usize {
@@ -486,144 +491,11 @@ impl<'a> Group<'a> {
         Ok(())
     }
 
-    /// Verification (on communicators that have it): every operation published to its peer,
-    /// and its counterpart seen and compared, before anything reaches NCCL; or, where a peer
-    /// has not posted yet and the group [`held::may_hold`], published and left to check later,
-    /// behind a gate (the returned [`Hold`]).
+    /// Verification of the group's operations ([`verify_ops`]), which may be held.
     fn verify(&self, comms: &[&'a Communicator], queued: &[Queued<'a>]) -> Result<Option<Hold<'a>>> {
-        let mut locked: SmallVec<[(&'a Communicator, MutexGuard<'a, Mailboxes>); 2]> = SmallVec::new();
-        let mut order: SmallVec<[&'a Communicator; 2]> = comms.iter().copied().collect();
-        order.sort_by_key(|c| c.key());
-        for c in order {
-            if let Some(b) = &c.boxes {
-                locked.push((c, b.lock().unwrap_or_else(|p| p.into_inner())));
-            }
-        }
-        for (c, boxes) in &locked {
-            if let Some(e) = c.shared.gating.failed.get() {
-                // A held group failed after its call returned: this communicator verifies
-                // nothing more (its counters stop at that group). Break it, if the gatekeeper
-                // could not yet.
-                c.break_held(e);
-                return Err(e.clone());
-            }
-            if boxes.holding() {
-                settle(c, boxes, Wait::Publish)?;
-            }
-        }
-        let boxes_of = |c: &Communicator| {
-            locked
-                .iter()
-                .find(|(d, _)| std::ptr::eq(*d, c))
-                .map(|(_, b)| &**b)
-        };
-        let mut pairs: SmallVec<[PairOps<'_>; 2]> = SmallVec::new();
-        for &(comm, peer, dir, desc) in queued {
-            // Local operations are matched already, within the group (`check_local`).
-            let Some(boxes) = boxes_of(comm).filter(|_| !comm.drives(peer)) else {
-                continue;
-            };
-            let i = match pairs
-                .iter()
-                .position(|p| std::ptr::eq(p.boxes, boxes) && p.peer == peer)
-            {
-                Some(i) => i,
-                None => {
-                    pairs.push(PairOps {
-                        boxes,
-                        peer,
-                        sends: SmallVec::new(),
-                        recvs: SmallVec::new(),
-                        timeout: comm.timeout(),
-                    });
-                    pairs.len() - 1
-                }
-            };
-            let side = if dir == Dir::Send {
-                &mut pairs[i].sends
-            } else {
-                &mut pairs[i].recvs
-            };
-            side.push(desc);
-        }
-        let mut colls: SmallVec<[CollOps<'_>; 1]> = SmallVec::new();
-        for op in &self.colls {
-            let Some(boxes) = boxes_of(op.comm).filter(|_| op.comm.clique.is_none()) else {
-                continue;
-            };
-            match colls.iter_mut().find(|c| std::ptr::eq(c.boxes, boxes)) {
-                Some(c) => c.ops.push(op.desc),
-                None => colls.push(CollOps {
-                    boxes,
-                    ops: smallvec![op.desc],
-                    timeout: op.comm.timeout(),
-                }),
-            }
-        }
-        if pairs.is_empty() && colls.is_empty() {
-            return Ok(None);
-        }
-        let posted = |pairs: &[PairOps<'_>], colls: &[CollOps<'_>]| {
-            for (_, boxes) in &locked {
-                boxes.note_posted(pairs, colls);
-            }
-        };
-        let fail = |f: Failure| {
-            let e = f.into_error(comms.iter().map(|c| c.timeout()).min().unwrap_or_default());
-            // What this group published can no longer be matched in order: every communicator
-            // of the group stops here, and tells its peers.
-            for c in comms {
-                c.break_with(&e);
-            }
-            e
-        };
-        if let [(comm, boxes)] = locked.as_slice()
-            && comms.len() == 1
-            && held::may_hold(&pairs, &colls)
-            && gatekeeper::running()
-            && comm.shared.gating.gate.get_or_try_init(Gate::new).is_ok()
-        {
-            return match held::verify_or_hold(&pairs, &colls) {
-                Ok(Verdict::Verified) => {
-                    posted(&pairs, &colls);
-                    Ok(None)
-                }
-                Ok(Verdict::Hold(progress)) => {
-                    posted(&pairs, &colls);
-                    Ok(Some(Hold {
-                        comm,
-                        held: Held::new(&pairs, &colls, progress),
-                    }))
-                }
-                Ok(Verdict::NoRoom(mut progress)) => {
-                    // What is held goes first, then this group, on the host.
-                    if boxes.holding() {
-                        settle(comm, boxes, Wait::Block)?;
-                    }
-                    match verify::resume_with(&pairs, &colls, &mut progress, Wait::Block) {
-                        Ok(_) => {
-                            posted(&pairs, &colls);
-                            Ok(None)
-                        }
-                        Err(f) => Err(fail(f)),
-                    }
-                }
-                Err(f) => Err(fail(f)),
-            };
-        }
-        // Not held: what is held goes first (this host waits for it, with the timeout).
-        for (c, boxes) in &locked {
-            if boxes.holding() {
-                settle(c, boxes, Wait::Block)?;
-            }
-        }
-        match verify::verify(&pairs, &colls) {
-            Ok(()) => {
-                posted(&pairs, &colls);
-                Ok(None)
-            }
-            Err(f) => Err(fail(f)),
-        }
+        let colls: SmallVec<[(&'a Communicator, CollDesc); 4]> =
+            self.colls.iter().map(|o| (o.comm, o.desc)).collect();
+        verify_ops(comms, queued, &colls, true)
     }
 
     fn submit(&self) -> Result<()> {
@@ -642,6 +514,21 @@ impl<'a> Group<'a> {
         self.check_local(&queued)?;
         self.check_layout_choice()?;
         let hold = self.verify(&comms, &queued)?;
+        // A family's capture: what each of its replays is verified against.
+        for c in comms.iter().filter(|c| c.in_graph) {
+            if let Some(f) = c.family.borrow_mut().as_mut() {
+                let p2p = queued
+                    .iter()
+                    .filter(|(d, ..)| std::ptr::eq(*d, *c))
+                    .map(|&(_, peer, dir, desc)| (peer, dir, desc));
+                let colls = self
+                    .colls
+                    .iter()
+                    .filter(|o| std::ptr::eq(o.comm, *c))
+                    .map(|o| o.desc);
+                f.note(c.rank(), p2p, colls);
+            }
+        }
         // Verified: each operation is now in the peers' order. From here until NCCL has the
         // group, any failure (or panic) must break every communicator of the group, or their
         // next operations would be matched, verified, against the wrong peer operations.
@@ -733,8 +620,155 @@ impl<'a> Group<'a> {
     }
 }
 
+/// Verification (on communicators that have it) of `queued` sends and receives and the
+/// collectives `coll_descs`: every operation published to its peer, and its counterpart seen
+/// and compared, before anything reaches NCCL; or, with `may_hold`, where a peer has not posted
+/// yet and the operations [`held::may_hold`], published and left to check later, behind a gate
+/// (the returned [`Hold`]). A failure breaks every communicator of `comms`.
+pub(crate) fn verify_ops<'a>(
+    comms: &[&'a Communicator],
+    queued: &[Queued<'a>],
+    coll_descs: &[(&'a Communicator, CollDesc)],
+    may_hold: bool,
+) -> Result<Option<Hold<'a>>> {
+    let mut locked: SmallVec<[(&'a Communicator, MutexGuard<'a, Mailboxes>); 2]> = SmallVec::new();
+    let mut order: SmallVec<[&'a Communicator; 2]> = comms.iter().copied().collect();
+    order.sort_by_key(|c| c.key());
+    for c in order {
+        if let Some(b) = &c.boxes {
+            locked.push((c, b.lock().unwrap_or_else(|p| p.into_inner())));
+        }
+    }
+    for (c, boxes) in &locked {
+        if let Some(e) = c.shared.gating.failed.get() {
+            // A held group failed after its call returned: this communicator verifies
+            // nothing more (its counters stop at that group). Break it, if the gatekeeper
+            // could not yet.
+            c.break_held(e);
+            return Err(e.clone());
+        }
+        if boxes.holding() {
+            settle(c, boxes, Wait::Publish)?;
+        }
+    }
+    let boxes_of = |c: &Communicator| {
+        locked
+            .iter()
+            .find(|(d, _)| std::ptr::eq(*d, c))
+            .map(|(_, b)| &**b)
+    };
+    let mut pairs: SmallVec<[PairOps<'_>; 2]> = SmallVec::new();
+    for &(comm, peer, dir, desc) in queued {
+        // Local operations are matched already, within the group (`check_local`).
+        let Some(boxes) = boxes_of(comm).filter(|_| !comm.drives(peer)) else {
+            continue;
+        };
+        let i = match pairs
+            .iter()
+            .position(|p| std::ptr::eq(p.boxes, boxes) && p.peer == peer)
+        {
+            Some(i) => i,
+            None => {
+                pairs.push(PairOps {
+                    boxes,
+                    peer,
+                    sends: SmallVec::new(),
+                    recvs: SmallVec::new(),
+                    timeout: comm.timeout(),
+                });
+                pairs.len() - 1
+            }
+        };
+        let side = if dir == Dir::Send {
+            &mut pairs[i].sends
+        } else {
+            &mut pairs[i].recvs
+        };
+        side.push(desc);
+    }
+    let mut colls: SmallVec<[CollOps<'_>; 1]> = SmallVec::new();
+    for &(comm, desc) in coll_descs {
+        let Some(boxes) = boxes_of(comm).filter(|_| comm.clique.is_none()) else {
+            continue;
+        };
+        match colls.iter_mut().find(|c| std::ptr::eq(c.boxes, boxes)) {
+            Some(c) => c.ops.push(desc),
+            None => colls.push(CollOps {
+                boxes,
+                ops: smallvec![desc],
+                timeout: comm.timeout(),
+            }),
+        }
+    }
+    if pairs.is_empty() && colls.is_empty() {
+        return Ok(None);
+    }
+    let posted = |pairs: &[PairOps<'_>], colls: &[CollOps<'_>]| {
+        for (_, boxes) in &locked {
+            boxes.note_posted(pairs, colls);
+        }
+    };
+    let fail = |f: Failure| {
+        let e = f.into_error(comms.iter().map(|c| c.timeout()).min().unwrap_or_default());
+        // What this group published can no longer be matched in order: every communicator
+        // of the group stops here, and tells its peers.
+        for c in comms {
+            c.break_with(&e);
+        }
+        e
+    };
+    if let [(comm, boxes)] = locked.as_slice()
+        && may_hold
+        && comms.len() == 1
+        && held::may_hold(&pairs, &colls)
+        && gatekeeper::running()
+        && comm.shared.gating.gate.get_or_try_init(Gate::new).is_ok()
+    {
+        return match held::verify_or_hold(&pairs, &colls) {
+            Ok(Verdict::Verified) => {
+                posted(&pairs, &colls);
+                Ok(None)
+            }
+            Ok(Verdict::Hold(progress)) => {
+                posted(&pairs, &colls);
+                Ok(Some(Hold {
+                    comm,
+                    held: Held::new(&pairs, &colls, progress),
+                }))
+            }
+            Ok(Verdict::NoRoom(mut progress)) => {
+                // What is held goes first, then this group, on the host.
+                if boxes.holding() {
+                    settle(comm, boxes, Wait::Block)?;
+                }
+                match verify::resume_with(&pairs, &colls, &mut progress, Wait::Block) {
+                    Ok(_) => {
+                        posted(&pairs, &colls);
+                        Ok(None)
+                    }
+                    Err(f) => Err(fail(f)),
+                }
+            }
+            Err(f) => Err(fail(f)),
+        };
+    }
+    // Not held: what is held goes first (this host waits for it, with the timeout).
+    for (c, boxes) in &locked {
+        if boxes.holding() {
+            settle(c, boxes, Wait::Block)?;
+        }
+    }
+    match verify::verify(&pairs, &colls) {
+        Ok(()) => {
+            posted(&pairs, &colls);
+            Ok(None)
+        }
+        Err(f) => Err(fail(f)),
+    }
+}
+
 /// A group posted behind its communicator's gate, to be checked later ([`held`]).
-struct Hold<'a> {
+pub(crate) struct Hold<'a> {
     comm: &'a Communicator,
     held: Held,
 }

@@ -27,6 +27,7 @@
 pub mod bootstrap;
 mod collective;
 mod communicator;
+pub(crate) mod family;
 mod fp8;
 mod gatekeeper;
 mod graph;
@@ -44,6 +45,7 @@ mod watchdog;
 
 pub use collective::ReduceOp;
 pub use communicator::Communicator;
+pub use family::GraphFamily;
 pub use group::{Group, group};
 pub use id::UniqueId;
 pub use memory::pending_frees as pending_nccl_frees;

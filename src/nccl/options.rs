@@ -104,7 +104,9 @@ impl CommOptions {
     /// `src/nccl/verify/model.rs`); every rank posts the same collectives in the same order;
     /// and both sides of each transfer agree on whether their memory is registered with the
     /// communicator, and, in a graph capture, on whether it is from `ncclMemAlloc` (what
-    /// verification would have compared). NCCL leaves a disagreement undefined: on two H200s it
+    /// verification would have compared); a replay of a [`GraphFamily`](crate::GraphFamily)'s
+    /// graph posts the operations captured in it, so ranks replay their graphs in an order that
+    /// keeps all this true. NCCL leaves a disagreement undefined: on two H200s it
     /// delivers wrong data, hangs, or writes past the end of a shorter receive buffer.
     ///
     /// ```

@@ -32,6 +32,7 @@ pub(crate) mod mailbox;
 pub(crate) mod model;
 pub(crate) mod order;
 pub mod rehearsal;
+pub(crate) mod replay;
 pub(crate) mod setup;
 pub(crate) mod wire;
 

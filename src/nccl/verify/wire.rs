@@ -84,6 +84,12 @@ impl OpDesc {
     }
 
     pub(crate) fn describe(self) -> String {
+        if self.part == CollKind::Replay as u8 {
+            return format!(
+                "the replay of a graph whose operations with this peer have digest {:016x}{:08x}",
+                self.count, self.dtype
+            );
+        }
         let part = match self.part {
             P2P => String::new(),
             code => match CollKind::from_code(u64::from(code)) {
@@ -171,6 +177,10 @@ pub(crate) enum CollKind {
     AllToAll = 6,
     Gather = 7,
     Scatter = 8,
+    /// Not NCCL's: the replay of a graph of a [`crate::GraphFamily`], standing for every NCCL
+    /// operation captured in it (a digest of them, see [`crate::nccl::family`]); as an
+    /// [`OpDesc::part`], the digest of the graph's operations with one peer in one direction.
+    Replay = 9,
 }
 
 impl CollKind {
@@ -184,6 +194,7 @@ impl CollKind {
             CollKind::AllToAll => "all_to_all",
             CollKind::Gather => "gather",
             CollKind::Scatter => "scatter",
+            CollKind::Replay => "graph replay",
         }
     }
 
@@ -197,6 +208,7 @@ impl CollKind {
             6 => CollKind::AllToAll,
             7 => CollKind::Gather,
             8 => CollKind::Scatter,
+            9 => CollKind::Replay,
             _ => return None,
         })
     }
@@ -272,6 +284,12 @@ impl CollDesc {
     }
 
     pub(crate) fn describe(self) -> String {
+        if self.kind == CollKind::Replay {
+            return format!(
+                "the replay of a graph whose collectives' digest is {:016x}{:08x}{:08x}",
+                self.count, self.redop, self.root
+            );
+        }
         let mut s = format!(
             "{} of {} elements of {}",
             self.kind.name(),
