@@ -267,10 +267,11 @@ pub enum Error {
         detail: String,
     },
 
-    /// Ranks of a job that [`spawn_local`](crate::nccl::bootstrap::spawn_local) started failed:
-    /// they exited unsuccessfully, were killed by a signal, or (with `after`) were still running
-    /// at the deadline of [`LocalJob::wait_timeout`](crate::nccl::bootstrap::LocalJob::wait_timeout)
-    /// and were killed then.
+    /// Ranks of a job that [`spawn_local`](crate::nccl::bootstrap::spawn_local) started failed
+    /// ([`JobExit::check`](crate::nccl::bootstrap::JobExit::check)): they exited
+    /// unsuccessfully, were killed by a signal, or (with `after`) were still running at the
+    /// deadline of [`LocalJob::wait_timeout`](crate::nccl::bootstrap::LocalJob::wait_timeout)
+    /// and were killed then. Each rank's status and output are in the `JobExit`.
     #[error("{detail}")]
     RanksFailed {
         /// The ranks that failed or were killed, in rank order.

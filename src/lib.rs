@@ -103,16 +103,22 @@
 //! handoff emits [`tracing`](https://docs.rs/tracing) events to the application's subscriber,
 //! each with its fields:
 //! - `INFO` when a communicator is made by `Communicator::new`/`with_options` or `init_all`
-//!   (once per rank; not yet by `split` or `split_all`): `rank`, `world`, `device`,
-//!   `verified`, `blocking`, how long NCCL's creation took (`nccl_init`; for `init_all`, the
-//!   whole) and the whole (`elapsed`).
+//!   (once per rank): `rank`, `world`, `device`, `verified`, `blocking`, how long NCCL's
+//!   creation took (`nccl_init`; for `init_all`, the whole) and the whole (`elapsed`). `INFO`
+//!   when `split` makes one (`rank`, NCCL's `color`, `key`, the child's `child_rank` and
+//!   `child_world`, `elapsed`) or leaves this rank out (`rank`), and when `split_all` has made
+//!   its communicators (`ranks`, `made`, `elapsed`).
 //! - `DEBUG` when a verification had to wait for a peer (`peers`, `waited`); `WARN` when it
 //!   fails: a mismatch (`detail`), a timeout (`peer`, `waited`, `what`), a broken peer.
 //! - `WARN` when an operation's error aborts its communicator (`rank`, `device`, `timeout`
-//!   whether it was a timeout, `reason`; not yet every path: an abort found by a host read, a
-//!   split's parent, the engine's), `INFO` when the program aborts it; `ERROR` when the watchdog aborts one
-//!   (`rank`, `device`, `timeout` or `panicked`, `reason`). `TRACE`: each look of the watchdog at
-//!   a communicator with queued work.
+//!   whether it was a timeout, `reason`), `INFO` when the program aborts it; `ERROR` when the
+//!   watchdog aborts one (`rank`, `device`, `timeout` or `panicked`, `reason`). Whatever the
+//!   path (these, a host read that finds its work cut short, a failed split's parent, the
+//!   engine's), `INFO` once when a communicator breaks (`rank`, `reason`, `cut_all`: whether
+//!   all its queued work counts as cut short), and `INFO` after every `ncclCommAbort`
+//!   (`elapsed`, `ok`; a split's unwanted child's included, which may run on a thread of its
+//!   own), within a `DEBUG` span `nccl_comm_abort`. `TRACE`: each look of the watchdog at a
+//!   communicator with queued work.
 //! - `DEBUG` when a graph capture begins (`device`, `stream`, `nccl`) and ends (`streams`, the
 //!   capture's stream and those joined to it; `buffers`, the tracked buffers it uses;
 //!   the capture's success, `ok`), within a `DEBUG` span `graph_capture` around the closure (its

@@ -6,7 +6,9 @@
 //! timeout (the communicator's aborted then, as by the blocking form), dropped while pending
 //! with nothing left registered, and many at once on several threads.
 //!
-//! The executor is this file's own: `block_on` parks the thread and counts the wakes. The stub
+//! The executor is this file's own (`block_on` parks the thread and counts the wakes), and
+//! tokio's for one test: a runtime of two workers, whose timer keeps its cadence while 256
+//! futures wait. The stub
 //! state (the answer of every query, the registered futures) is the process's, so the tests
 //! run one at a time, under [`serial`].
 //!
@@ -464,6 +466,107 @@ fn many_futures_on_several_threads_are_all_woken() {
         // One poll pending, then a few after wakes (each wake may find only some done).
         assert!(*polls < 50, "{polls} polls");
     }
+    assert_eq!(registered(), 0);
+}
+
+/// The four kinds of future, 64 of each, spawned as tasks on a tokio runtime of two worker
+/// threads while the work "runs" (300 ms): none resolves before it is done, all do after it
+/// with the data, and a timer task ticking every millisecond meanwhile keeps its cadence, so no
+/// future held a worker thread.
+#[test]
+fn on_tokio_two_workers_many_futures_resolve_and_a_timer_keeps_its_cadence() {
+    let Some((_turn, stubs)) = serial() else {
+        return;
+    };
+    let dev = Device::new(0).expect("device");
+    let stream = Stream::new(&dev).expect("stream");
+    let x = DeviceBuffer::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &stream).expect("buffer");
+    let mut host = HostBuffer::<f32>::zeros(4, &dev).expect("host buffer");
+    host.copy_from_device(&x, &stream).expect("copy");
+    let host = Arc::new(host);
+    let options = CommOptions::default().with_timeout(Duration::from_secs(30));
+    let comm = Communicator::init_all_with(options, std::slice::from_ref(&dev))
+        .expect("communicator")
+        .pop()
+        .expect("one");
+    let event = Event::without_timing(&dev).expect("event");
+    stream.record(&event).expect("record");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_time()
+        .build()
+        .expect("runtime");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopped = stop.clone();
+    // Its ticks, and the longest time between two.
+    let timer = rt.spawn(async move {
+        let (mut ticks, mut worst, mut last) = (0, Duration::ZERO, Instant::now());
+        while !stopped.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            let now = Instant::now();
+            worst = worst.max(now - last);
+            (last, ticks) = (now, ticks + 1);
+        }
+        (ticks, worst)
+    });
+    /// Ends the work however the test ends, before the runtime drops: a runtime waits for its
+    /// workers, and a worker a future held would otherwise never return.
+    struct Done<'s>(&'s Stubs);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            self.0.pending(false);
+        }
+    }
+    stubs.pending(true);
+    let done = Done(stubs);
+    let mut tasks = Vec::new();
+    for i in 0..256 {
+        tasks.push(match i % 4 {
+            0 => {
+                let f = event.completed();
+                rt.spawn(async move { f.await.map(|()| Vec::new()) })
+            }
+            1 => {
+                let f = stream.completion();
+                rt.spawn(async move { f.await.map(|()| Vec::new()) })
+            }
+            2 => {
+                // Made here (a communicator is not `Sync`), awaited in the task.
+                let f = comm.wait_stream_async(&stream);
+                rt.spawn(async move { f.await.map(|()| Vec::new()) })
+            }
+            _ => {
+                let host = host.clone();
+                rt.spawn(async move { Ok(host.read_async().await?.to_vec()) })
+            }
+        });
+    }
+    let all_registered = eventually(|| registered() == 256);
+    std::thread::sleep(Duration::from_millis(300));
+    let none_finished = tasks.iter().all(|t| !t.is_finished());
+    drop(done);
+    let outs = rt.block_on(async {
+        let mut outs = Vec::new();
+        for t in tasks {
+            outs.push(t.await.expect("task"));
+        }
+        outs
+    });
+    stop.store(true, Ordering::Relaxed);
+    let (ticks, worst) = rt.block_on(timer).expect("timer");
+    for (i, o) in outs.into_iter().enumerate() {
+        let data = o.expect("resolved Ok");
+        if i % 4 == 3 {
+            assert_eq!(data, [1.0, 2.0, 3.0, 4.0]);
+        }
+    }
+    // A worker held by a future for the 300 ms would show as a gap of 300 ms.
+    assert!(
+        worst < Duration::from_millis(100),
+        "the timer's longest gap was {worst:?} ({ticks} ticks): a future blocked a worker"
+    );
+    assert!(all_registered, "not every future was polled and registered");
+    assert!(none_finished, "a future resolved while the work ran");
     assert_eq!(registered(), 0);
 }
 

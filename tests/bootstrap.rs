@@ -431,7 +431,7 @@ fn spawn_local_ranks() -> Result<(), Failed> {
     })?;
     let mut masters = Vec::new();
     for r in job.wait_timeout(Duration::from_secs(60))?.ranks {
-        let (rank, ok, out, err) = (r.rank, r.status.success(), r.stdout, r.stderr);
+        let (rank, ok, out, err) = (r.rank, r.success(), r.stdout, r.stderr);
         let f: Vec<&str> = out.split_whitespace().collect();
         let want = ["torchrun", &rank.to_string(), "3", &rank.to_string()];
         check(ok && f.len() == 7 && f[..4] == want, || {

@@ -293,9 +293,9 @@ fn dead_peer() -> Result<(), Failed> {
     let killed = Instant::now();
     let exit = job.wait_timeout(Duration::from_secs(60))?;
     let took = killed.elapsed();
-    let (status, out1) = (exit.ranks[1].status, &exit.ranks[1].stdout);
-    println!("rank 1 ({status}, {took:?} after the kill):\n{out1}");
-    if !status.success() || !out1.contains("peer failure detected") {
+    let (r1, out1) = (&exit.ranks[1], &exit.ranks[1].stdout);
+    println!("{r1}, {took:?} after the kill:\n{out1}");
+    if !r1.success() || !out1.contains("peer failure detected") {
         return Err("the survivor did not report the dead peer".into());
     }
     if took > Duration::from_secs(30) {
@@ -322,10 +322,10 @@ fn dead_peer_among_three() -> Result<(), Failed> {
     let exit = job.wait_timeout(Duration::from_secs(60))?;
     let took = killed.elapsed();
     let outs = [rest0.join().unwrap_or_default(), exit.ranks[1].stdout.clone()];
-    for (rank, (status, out)) in exit.ranks.iter().map(|r| r.status).zip(&outs).enumerate() {
+    for (rank, (r, out)) in exit.ranks.iter().zip(&outs).enumerate() {
         let last = out.lines().last().unwrap_or("");
-        println!("rank {rank} ({status}, all ended {took:?} after the kill): {last}");
-        if !status.success() || !out.contains("peer failure detected") {
+        println!("{r}, all ended {took:?} after the kill: {last}");
+        if !r.success() || !out.contains("peer failure detected") {
             return Err(format!("rank {rank} did not report the dead peer").into());
         }
     }
@@ -387,7 +387,7 @@ fn mismatch_across_processes(role: &str) -> Result<(), Failed> {
     let mut failed = Vec::new();
     for r in &exit.ranks {
         println!("rank {}: {}", r.rank, r.stdout);
-        if !r.status.success() || !r.stdout.contains("mismatch") {
+        if !r.success() || !r.stdout.contains("mismatch") {
             failed.push(r.rank);
         }
     }

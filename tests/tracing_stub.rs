@@ -75,6 +75,21 @@ impl Subscriber for Collect {
     fn exit(&self, _: &Id) {}
 }
 
+/// How many events have been seen so far: a mark for [`since`].
+fn mark() -> usize {
+    SEEN.lock().unwrap_or_else(|p| p.into_inner()).len()
+}
+
+/// The events seen after `mark` whose message is `what`.
+fn since(mark: usize, what: &str) -> Vec<Seen> {
+    let all = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    all[mark..]
+        .iter()
+        .filter(|s| s.message() == what)
+        .cloned()
+        .collect()
+}
+
 /// The events seen so far whose message contains `what`.
 fn seen(what: &str) -> Vec<Seen> {
     let all = SEEN.lock().unwrap_or_else(|p| p.into_inner());
@@ -157,6 +172,64 @@ fn creation_and_mismatch() -> Result<(), Failed> {
     Ok(())
 }
 
+/// Splits and aborts: a split (its child's rank and world), a rank left out of a split, and
+/// `split_all` are events; every break of a communicator is one event with its reason, and
+/// every `ncclCommAbort` one more, whichever path aborts (here the program's abort and a
+/// left-out rank's unwanted child).
+fn splits_and_aborts() -> Result<(), Failed> {
+    let field = |s: &Seen, k: &str| s.fields.get(k).cloned().unwrap_or_default();
+    let device = Device::new(0)?;
+    let at = mark();
+    let one = Communicator::new(1, 0, &UniqueId::new()?, &device)?;
+    let child = one.split(Some(3), 0)?.ok_or("the split made no communicator")?;
+    let split = since(at, "handoff: communicator split");
+    match split.as_slice() {
+        [e] if field(e, "rank") == "0"
+            && field(e, "child_rank") == "0"
+            && field(e, "child_world") == "1"
+            && field(e, "color") == "3"
+            && !field(e, "elapsed").is_empty() => {}
+        _ => return Err(format!("split events: {split:?}").into()),
+    }
+    let at = mark();
+    if one.split(None, 0)?.is_some() {
+        return Err("a rank left out got a communicator".into());
+    }
+    let left = since(at, "handoff: communicator split: this rank left out");
+    let aborts = since(at, "handoff: ncclCommAbort returned");
+    if left.len() != 1 || aborts.len() != 1 || field(&aborts[0], "ok") != "true" {
+        return Err(format!("left out: {left:?}; its child's abort: {aborts:?}").into());
+    }
+    let at = mark();
+    child.abort()?;
+    let broken = since(at, "handoff: communicator broken");
+    let aborts = since(at, "handoff: ncclCommAbort returned");
+    match (broken.as_slice(), aborts.as_slice()) {
+        ([b], [a])
+            if field(b, "reason") == "aborted by the program"
+                && field(b, "rank") == "0"
+                && field(b, "cut_all") == "false"
+                && !field(a, "elapsed").is_empty() => {}
+        _ => return Err(format!("abort events: {broken:?} {aborts:?}").into()),
+    }
+    // A second abort breaks nothing more.
+    let at = mark();
+    child.abort()?;
+    if !since(at, "handoff: communicator broken").is_empty() {
+        return Err("a broken communicator's second abort was a second break".into());
+    }
+    let two = [Device::new(0)?, Device::new(1)?];
+    let comms = Communicator::init_all(&two)?;
+    let at = mark();
+    let kids = Communicator::split_all(&comms, &[(Some(0), 0), (Some(0), 1)])?;
+    let together = since(at, "handoff: communicators split together");
+    match together.as_slice() {
+        [e] if field(e, "ranks") == "2" && field(e, "made") == "2" && kids.iter().all(Option::is_some) => {}
+        _ => return Err(format!("split_all events: {together:?}").into()),
+    }
+    Ok(())
+}
+
 /// A graph capture's beginning and end are events, the end with its streams and buffers.
 fn graph_capture() -> Result<(), Failed> {
     let device = Device::new(0)?;
@@ -181,7 +254,9 @@ fn graph_capture() -> Result<(), Failed> {
 }
 
 fn main() {
-    let args = Arguments::from_args();
+    let mut args = Arguments::from_args();
+    // One trial at a time, in order: each counts the events of what it did.
+    args.test_threads = Some(1);
     // SAFETY: no other thread exists yet, and nothing has read the environment.
     let Some((dir, cudart, nccl)) = (unsafe { stubs::install_pair("tracing_stub", "nccl.c") }) else {
         return;
@@ -198,6 +273,8 @@ fn main() {
             creation_and_mismatch,
         ),
         Trial::test("a_graph_capture_is_two_events", graph_capture),
+        // Last: it makes communicators, whose events the first trial counts.
+        Trial::test("splits_and_aborts_are_events", splits_and_aborts),
     ];
     let conclusion = libtest_mimic::run(&args, trials);
     let _ = std::fs::remove_dir_all(&dir);

@@ -14,6 +14,7 @@ use crate::nccl::state::Cut;
 use crate::nccl::watchdog;
 use crate::result::nccl as nc;
 use crate::sys::nccl::ncclComm_t;
+use crate::trace;
 
 /// Colors from here up are handoff's: a rank left out splits into a color of its own,
 /// `LEFT_OUT + rank`, and its one-rank child is aborted at once. NCCL's own "no color"
@@ -120,6 +121,11 @@ impl Communicator {
         if left_out {
             // A left-out rank's own one-rank communicator is not wanted.
             abort_child(child);
+            trace::event!(
+                info,
+                rank = self.rank(),
+                "handoff: communicator split: this rank left out"
+            );
             return Ok(None);
         }
         if child.is_null() {
@@ -130,6 +136,16 @@ impl Communicator {
         let mut comm = self.adopt(child, options, started)?;
         let r = comm.settle_verification();
         comm.fail_on(r)?;
+        trace::event!(
+            info,
+            rank = self.rank(),
+            color,
+            key,
+            child_rank = comm.rank(),
+            child_world = comm.world_size(),
+            elapsed = ?started.elapsed(),
+            "handoff: communicator split"
+        );
         Ok(Some(comm))
     }
 
@@ -277,6 +293,13 @@ impl Communicator {
             }
             form_clique(members);
         }
+        trace::event!(
+            info,
+            ranks = comms.len(),
+            made = out.iter().flatten().count(),
+            elapsed = ?started.elapsed(),
+            "handoff: communicators split together"
+        );
         Ok(out)
     }
 

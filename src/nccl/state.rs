@@ -14,6 +14,7 @@ use crate::error::Error;
 use crate::nccl::verify::mailbox::{BROKEN, Region};
 use crate::result::nccl as nc;
 use crate::sys::nccl::{ncclComm_t, ncclResult_t};
+use crate::trace;
 
 /// The peers an operation received from, and its tracking event's origin.
 pub(crate) type PeersOrigin = (Vec<usize>, Arc<dyn Origin>);
@@ -212,6 +213,17 @@ impl State {
             if cut == Cut::All || unsafe { crate::result::cudart::event_query(p.event.raw) } != Ok(true) {
                 p.event.poison(&reason);
             }
+        }
+        if self.broken.is_none() {
+            // Every path that breaks a communicator passes here; the callers' own events say
+            // what they saw.
+            trace::event!(
+                info,
+                rank = self.rank,
+                reason = %reason,
+                cut_all = cut == Cut::All,
+                "handoff: communicator broken"
+            );
         }
         self.broken.get_or_insert(reason);
         if let Some(mine) = self.mine() {

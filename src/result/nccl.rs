@@ -26,6 +26,7 @@ use crate::sys::nccl::{
     NcclLib, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclScalarResidence_t,
     ncclUniqueId, ncclWindow_t,
 };
+use crate::trace;
 
 /// The loaded NCCL.
 #[inline]
@@ -140,7 +141,7 @@ pub unsafe fn comm_init_rank(
         Err(e) => {
             if !comm.is_null() {
                 // SAFETY: a half-made communicator is released the way NCCL says to.
-                let _ = unsafe { lib()?.ncclCommAbort(comm) };
+                let _ = unsafe { comm_abort(comm) };
             }
             Err(e)
         }
@@ -231,8 +232,21 @@ pub unsafe fn comm_destroy(comm: ncclComm_t) -> Result<()> {
 /// # Safety
 /// `comm` is a live communicator, not used afterwards.
 pub unsafe fn comm_abort(comm: ncclComm_t) -> Result<()> {
+    // Every abort passes here (a break's, a watchdog's, a graph's aborter thread's, a split's
+    // unwanted child's): one span and one event for all. An abort can take as long as other
+    // work on the device, or until a graph that captured the communicator is gone.
+    let _span = trace::entered!(DEBUG, "nccl_comm_abort");
+    #[cfg_attr(not(feature = "tracing"), allow(unused_variables))]
+    let started = Instant::now();
     // SAFETY: the caller vouches for the handle.
-    check("ncclCommAbort", unsafe { lib()?.ncclCommAbort(comm) })
+    let r = check("ncclCommAbort", unsafe { lib()?.ncclCommAbort(comm) });
+    trace::event!(
+        info,
+        elapsed = ?started.elapsed(),
+        ok = r.is_ok(),
+        "handoff: ncclCommAbort returned"
+    );
+    r
 }
 
 /// `ncclCommSplit`: makes this rank's communicator of `color` (`NCCL_SPLIT_NOCOLOR`, -1, for

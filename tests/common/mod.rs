@@ -137,7 +137,7 @@ pub fn ranks<T: serde::Serialize + serde::de::DeserializeOwned>(
     })?;
     let exit = job.wait_timeout(RANKS_DEADLINE)?;
     for r in &exit.ranks {
-        println!("[rank {}, {}]", r.rank, r.status);
+        println!("[{r}]");
         for l in r
             .stdout
             .lines()
@@ -153,7 +153,7 @@ pub fn ranks<T: serde::Serialize + serde::de::DeserializeOwned>(
                 .stdout
                 .lines()
                 .find_map(|l| l.strip_prefix(RESULT_MARK))
-                .ok_or_else(|| format!("rank {} ended ({}) without a result", r.rank, r.status))?;
+                .ok_or_else(|| format!("{r}, without a result"))?;
             serde_json::from_str(line).map_err(|e| format!("rank {}'s result {line:?}: {e}", r.rank).into())
         })
         .collect()

@@ -272,9 +272,12 @@ fn job_error(detail: String) -> Error {
 /// reachable ([`LocalJob::child_mut`], [`LocalJob::kill`]) for callers that read a rank's
 /// output as it runs or end one on purpose.
 ///
-/// Dropping the job kills the ranks still running (SIGKILL) and reaps them all, so that no
-/// rank outlives its handle, as a zombie or running; [`LocalJob::into_children`] gives them up
-/// instead.
+/// Dropping the job kills the ranks still running (SIGKILL) and reaps them, so that no rank
+/// outlives its handle, as a zombie or running; [`LocalJob::into_children`] gives them up
+/// instead. A killed process ends only once the kernel lets it: one in uninterruptible sleep
+/// (in the GPU driver, say) ends when that call returns, which may be never. So the drop waits
+/// at most 5 s for the killed ranks, and hands those that have not ended by then to a thread
+/// (`handoff-job-reaper`) that reaps each when it ends; the drop never blocks longer.
 #[derive(Debug)]
 #[must_use = "dropping a LocalJob kills its ranks"]
 pub struct LocalJob {
@@ -283,26 +286,61 @@ pub struct LocalJob {
     forwarders: Vec<std::thread::JoinHandle<()>>,
 }
 
+/// How long a killed rank is waited for before it is left to a reaper thread: long enough for
+/// a GPU process's teardown (the driver frees its memory as it exits), short enough that a
+/// rank stuck in the kernel does not hold the caller.
+const REAP_BOUND: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// How one rank of a [`LocalJob`] ended.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct RankExit {
     /// The rank.
     pub rank: usize,
-    /// Its exit status.
-    pub status: std::process::ExitStatus,
+    /// Its exit status; `None` only for a rank killed at the deadline of
+    /// [`LocalJob::wait_timeout`] that had not ended 5 s after the kill (stuck in the kernel,
+    /// e.g. in the GPU driver): a thread of the job reaps it when it ends.
+    pub status: Option<std::process::ExitStatus>,
+    /// Whether the rank still ran at the deadline of [`LocalJob::wait_timeout`] and was killed
+    /// then.
+    pub timed_out: bool,
     /// Its standard output, where it was piped and neither taken by the caller nor forwarded
-    /// ([`LocalJob::prefix_output`]); empty otherwise. Invalid UTF-8 is replaced.
+    /// ([`LocalJob::prefix_output`]); empty otherwise. For a rank killed at the deadline, what
+    /// it wrote until then. Invalid UTF-8 is replaced.
     pub stdout: String,
     /// Its standard error, as `stdout`.
     pub stderr: String,
 }
 
 impl RankExit {
-    /// Whether the rank was ended by a signal (killed) rather than exiting.
+    /// Whether the rank exited successfully (status 0).
+    pub fn success(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
+
+    /// Whether the rank was ended by a signal (killed) rather than exiting, or was killed at
+    /// the deadline and had not ended yet.
     pub fn killed(&self) -> bool {
         use std::os::unix::process::ExitStatusExt;
-        self.status.signal().is_some()
+        self.status.map_or(self.timed_out, |s| s.signal().is_some())
+    }
+}
+
+/// How the rank ended, in a sentence: `rank 1 failed (exit status: 3)`.
+impl std::fmt::Display for RankExit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let rank = self.rank;
+        match (self.status, self.timed_out) {
+            (None, _) => write!(
+                f,
+                "rank {rank} still ran at the deadline, was killed, and had not ended \
+                 {REAP_BOUND:?} later (stuck in the kernel, e.g. in the GPU driver)"
+            ),
+            (Some(s), true) => write!(f, "rank {rank} still ran at the deadline and was killed ({s})"),
+            (Some(s), false) if s.success() => write!(f, "rank {rank} succeeded ({s})"),
+            (Some(s), false) if self.killed() => write!(f, "rank {rank} was killed ({s})"),
+            (Some(s), false) => write!(f, "rank {rank} failed ({s})"),
+        }
     }
 }
 
@@ -312,19 +350,23 @@ impl RankExit {
 pub struct JobExit {
     /// One per rank, in rank order.
     pub ranks: Vec<RankExit>,
+    /// The deadline of [`LocalJob::wait_timeout`], when it passed with ranks still running
+    /// (those have [`RankExit::timed_out`] set).
+    pub timed_out: Option<std::time::Duration>,
 }
 
 impl JobExit {
     /// Whether every rank exited successfully (status 0).
     pub fn success(&self) -> bool {
-        self.ranks.iter().all(|r| r.status.success())
+        self.ranks.iter().all(RankExit::success)
     }
 
-    /// The ranks that did not exit successfully (failed or killed), in rank order.
+    /// The ranks that did not exit successfully (failed, killed, or still running at the
+    /// deadline), in rank order.
     pub fn failed(&self) -> Vec<usize> {
         self.ranks
             .iter()
-            .filter(|r| !r.status.success())
+            .filter(|r| !r.success())
             .map(|r| r.rank)
             .collect()
     }
@@ -332,31 +374,123 @@ impl JobExit {
     /// `Ok` when every rank exited successfully.
     ///
     /// # Errors
-    /// [`Error::RanksFailed`] naming each rank that failed (with its exit status) or was killed
-    /// (with the signal).
+    /// [`Error::RanksFailed`] naming each rank that failed (with its exit status), was killed
+    /// (with the signal), or still ran at the deadline; with `after` set (its
+    /// [`kind`](Error::kind) is [`ErrorKind::Timeout`](crate::ErrorKind::Timeout)) when the
+    /// deadline passed with ranks still running.
     pub fn check(&self) -> Result<()> {
-        let failed: Vec<&RankExit> = self.ranks.iter().filter(|r| !r.status.success()).collect();
+        let failed: Vec<&RankExit> = self.ranks.iter().filter(|r| !r.success()).collect();
         if failed.is_empty() {
             return Ok(());
         }
-        let each: Vec<String> = failed
-            .iter()
-            .map(|r| {
-                let how = if r.killed() { "was killed" } else { "failed" };
-                format!("rank {} {how} ({})", r.rank, r.status)
-            })
-            .collect();
-        Err(Error::RanksFailed {
-            ranks: failed.iter().map(|r| r.rank).collect(),
-            detail: format!(
-                "{} of the {} ranks of the local job did not succeed: {}",
-                failed.len(),
-                self.ranks.len(),
+        let each: Vec<String> = failed.iter().map(|r| r.to_string()).collect();
+        let (n, world) = (failed.len(), self.ranks.len());
+        let detail = match self.timed_out {
+            None => format!(
+                "{n} of the {world} ranks of the local job did not succeed: {}",
                 each.join(", ")
             ),
-            after: None,
+            Some(t) => format!(
+                "{n} of the {world} ranks of the local job did not succeed within {t:?}: {}. \
+                 Give them longer, or see what each wrote (JobExit::ranks) for where it stopped",
+                each.join(", ")
+            ),
+        };
+        Err(Error::RanksFailed {
+            ranks: failed.iter().map(|r| r.rank).collect(),
+            detail,
+            after: self.timed_out,
         })
     }
+}
+
+/// A process that a [`LocalJob`] ends: a rank's [`std::process::Child`], or in tests one whose
+/// end is injected (a process that does not end when killed cannot be made on demand).
+trait Process: Send + 'static {
+    /// Its exit status, reaping it, if it has ended.
+    fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>>;
+    /// Sends it SIGKILL.
+    fn kill(&mut self) -> std::io::Result<()>;
+    /// Blocks until it ends, and reaps it.
+    fn wait(&mut self) -> std::io::Result<std::process::ExitStatus>;
+}
+
+impl Process for std::process::Child {
+    fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        std::process::Child::try_wait(self)
+    }
+    fn kill(&mut self) -> std::io::Result<()> {
+        std::process::Child::kill(self)
+    }
+    fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        std::process::Child::wait(self)
+    }
+}
+
+/// Polls each process of `procs` whose entry of `statuses` is `None` until every one has ended
+/// or `until` passes, filling in the status of each that ended. One that cannot be waited for
+/// (reaped by someone else) stays `None` and is not polled again.
+fn reap_until<P: Process>(
+    procs: &mut [P],
+    statuses: &mut [Option<std::process::ExitStatus>],
+    until: std::time::Instant,
+) {
+    let mut pending: Vec<bool> = statuses.iter().map(Option::is_none).collect();
+    let mut pause = std::time::Duration::from_micros(100);
+    loop {
+        for ((p, s), wait) in procs.iter_mut().zip(statuses.iter_mut()).zip(&mut pending) {
+            if *wait {
+                match p.try_wait() {
+                    Ok(None) => {}
+                    Ok(Some(status)) => (*s, *wait) = (Some(status), false),
+                    Err(_) => *wait = false,
+                }
+            }
+        }
+        let now = std::time::Instant::now();
+        if !pending.contains(&true) || now >= until {
+            return;
+        }
+        std::thread::sleep(pause.min(until - now));
+        pause = (pause * 2).min(std::time::Duration::from_millis(10));
+    }
+}
+
+/// Kills each process of `procs` that still runs (SIGKILL) and waits at most `bound` for them
+/// all to end. Returns, in order, each one's exit status (`None` where it had not ended by
+/// then) and whether it was killed here. Those not ended go to one thread,
+/// `handoff-job-reaper`, that waits for each and so reaps it when it ends; where no thread can
+/// be started they are left unreaped until this process exits. Never blocks much past `bound`.
+fn end_within<P: Process>(
+    mut procs: Vec<P>,
+    bound: std::time::Duration,
+) -> Vec<(Option<std::process::ExitStatus>, bool)> {
+    let until = std::time::Instant::now() + bound;
+    let mut statuses = Vec::with_capacity(procs.len());
+    let mut killed = Vec::with_capacity(procs.len());
+    for p in &mut procs {
+        let status = p.try_wait().ok().flatten();
+        // A process that ended between the two calls ignores the signal; its status says so.
+        killed.push(status.is_none() && p.kill().is_ok());
+        statuses.push(status);
+    }
+    reap_until(&mut procs, &mut statuses, until);
+    let left: Vec<P> = procs
+        .into_iter()
+        .zip(&statuses)
+        .filter(|(_, s)| s.is_none())
+        .map(|(p, _)| p)
+        .collect();
+    if !left.is_empty() {
+        let _ = std::thread::Builder::new()
+            .name("handoff-job-reaper".into())
+            .spawn(move || {
+                for mut p in left {
+                    let _ = p.wait();
+                }
+            });
+    }
+    statuses.into_iter().zip(killed).collect()
 }
 
 /// Reads `pipe` to its end on a thread of its own, so that a rank that fills the pipe never
@@ -447,21 +581,28 @@ impl LocalJob {
         &self.children
     }
 
-    /// Kills rank `rank` (SIGKILL) and reaps it; nothing if it has exited already. Its status
-    /// is then in [`LocalJob::wait_timeout`]'s result, killed.
+    /// Kills rank `rank` (SIGKILL) and waits at most 5 s for it to end, reaping it; nothing if
+    /// it has exited already. Its status is then in [`LocalJob::wait_timeout`]'s result,
+    /// killed. A rank that has not ended 5 s after the kill (stuck in the kernel, e.g. in the
+    /// GPU driver) is left killed but unreaped: the job's wait or drop reaps it.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a rank not below [`LocalJob::len`]; [`Error::Bootstrap`]
-    /// when the process cannot be killed or waited for.
+    /// when the process cannot be killed.
     pub fn kill(&mut self, rank: usize) -> Result<()> {
         let world = self.children.len();
         let child = self
             .children
             .get_mut(rank)
             .ok_or_else(|| Error::InvalidArgument(format!("rank {rank} is not in a job of {world} ranks")))?;
-        let failed = |e: std::io::Error| job_error(format!("cannot kill rank {rank}: {e}"));
-        child.kill().map_err(failed)?;
-        child.wait().map_err(failed)?;
+        child
+            .kill()
+            .map_err(|e| job_error(format!("cannot kill rank {rank}: {e}")))?;
+        reap_until(
+            std::slice::from_mut(child),
+            &mut [None],
+            std::time::Instant::now() + REAP_BOUND,
+        );
         Ok(())
     }
 
@@ -502,10 +643,14 @@ impl LocalJob {
     /// a process started by a rank still writes into its pipe after the rank exited is read
     /// until the deadline (at least half a second after the last rank exited), then cut.
     ///
+    /// Ranks still running at the deadline are killed (SIGKILL) and waited for at most 5 s
+    /// more (as the job's drop does); the result still holds every rank: those that ended
+    /// before with their status and output, those killed with [`RankExit::timed_out`] set and
+    /// what they wrote until then, and [`JobExit::timed_out`] the deadline, which
+    /// [`JobExit::check`] reports as a timeout. So the call returns within about `timeout`
+    /// plus 5.5 s.
+    ///
     /// # Errors
-    /// [`Error::RanksFailed`] with `after` set (its [`kind`](Error::kind) is
-    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout)) when ranks still ran at the deadline:
-    /// every rank still running is then killed and reaped, and the error names them;
     /// [`Error::Bootstrap`] when a rank cannot be waited for or a reading thread cannot be
     /// started (the ranks are then killed as the job drops).
     pub fn wait_timeout(self, timeout: std::time::Duration) -> Result<JobExit> {
@@ -522,6 +667,8 @@ impl LocalJob {
         }
         let world = self.children.len();
         let mut statuses = vec![None; world];
+        let mut timed_out = vec![false; world];
+        let mut passed = None;
         loop {
             for (rank, child) in self.children.iter_mut().enumerate() {
                 if statuses[rank].is_none() {
@@ -536,25 +683,22 @@ impl LocalJob {
             if let Some(t) = timeout
                 && start.elapsed() >= t
             {
-                let running: Vec<usize> = (0..world).filter(|&r| statuses[r].is_none()).collect();
-                // Killed and reaped as the job drops, on the way out.
-                let names: Vec<String> = running.iter().map(|r| r.to_string()).collect();
-                return Err(Error::RanksFailed {
-                    detail: format!(
-                        "{} of the {world} ranks of the local job (ranks {}) still ran after {t:?} \
-                         and were killed",
-                        running.len(),
-                        names.join(", ")
-                    ),
-                    ranks: running,
-                    after: Some(t),
-                });
+                // The ranks that ended keep their statuses; the rest are killed now.
+                let ended = end_within(std::mem::take(&mut self.children), REAP_BOUND);
+                for (rank, (status, killed)) in ended.into_iter().enumerate() {
+                    // Killed, unless it ended successfully just before the signal.
+                    timed_out[rank] = killed && !status.is_some_and(|s| s.success());
+                    statuses[rank] = status;
+                }
+                passed = Some(t);
+                break;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        // Every rank has exited: the pipes reach their ends, unless a process a rank started
-        // holds them still. Under a deadline the threads reading them get what is left of it
-        // (at least half a second), then are left to finish alone, their output cut there.
+        // Every rank has ended or been killed: the pipes reach their ends, unless a process a
+        // rank started holds them still. Under a deadline the threads reading them get what is
+        // left of it (at least half a second), then are left to finish alone, their output cut
+        // there.
         let until = timeout.map(|t| {
             let now = std::time::Instant::now();
             now + t
@@ -571,16 +715,20 @@ impl LocalJob {
         };
         let ranks = readers
             .into_iter()
-            .zip(statuses)
+            .zip(statuses.into_iter().zip(timed_out))
             .enumerate()
-            .map(|(rank, ((out, err), status))| RankExit {
+            .map(|(rank, ((out, err), (status, timed_out)))| RankExit {
                 rank,
-                status: status.expect("every rank exited"),
+                status,
+                timed_out,
                 stdout: text(out),
                 stderr: text(err),
             })
             .collect();
-        Ok(JobExit { ranks })
+        Ok(JobExit {
+            ranks,
+            timed_out: passed,
+        })
     }
 
     /// Gives up the children, in rank order: the job no longer kills them on drop; the caller
@@ -592,13 +740,9 @@ impl LocalJob {
 
 impl Drop for LocalJob {
     fn drop(&mut self) {
-        for child in &mut self.children {
-            // Exited (and reaped) ranks answer at once; the rest are killed, then reaped.
-            if let Ok(None) = child.try_wait() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
+        // Ranks that exited answer at once; the rest are killed, then reaped (or left to the
+        // reaper thread past the bound).
+        end_within(std::mem::take(&mut self.children), REAP_BOUND);
     }
 }
 
@@ -730,6 +874,7 @@ mod tests {
                 std::process::exit(0);
             }
             _ => {
+                println!("rank {} sleeps", std::env::var("RANK").unwrap());
                 std::thread::sleep(Duration::from_secs(120));
                 std::process::exit(0);
             }
@@ -749,7 +894,7 @@ mod tests {
         assert_eq!(exit.ranks.len(), 3);
         assert!(!exit.success());
         assert_eq!(exit.failed(), [1]);
-        assert_eq!(exit.ranks[1].status.code(), Some(3));
+        assert_eq!(exit.ranks[1].status.and_then(|s| s.code()), Some(3));
         assert!(
             exit.ranks[0].stdout.contains("rank 0 says hello"),
             "{:?}",
@@ -816,29 +961,116 @@ mod tests {
     }
 
     #[test]
-    fn past_the_deadline_the_ranks_still_running_are_killed_and_named() {
-        let j = job(&["ok", "sleep", "sleep"]);
+    fn past_the_deadline_every_ranks_end_and_output_is_kept_and_check_says_timeout() {
+        let j = job(&["ok", "sleep", "fail", "sleep"]);
         let pids: Vec<u32> = j.children().iter().map(|c| c.id()).collect();
         let started = Instant::now();
-        let e = j.wait_timeout(Duration::from_secs(3)).unwrap_err();
+        let exit = j.wait_timeout(Duration::from_secs(3)).unwrap();
         assert!(
             started.elapsed() < Duration::from_secs(20),
             "{:?}",
             started.elapsed()
         );
+        assert_eq!(exit.timed_out, Some(Duration::from_secs(3)));
+        // The ranks that ended keep their statuses and output.
+        let r = &exit.ranks;
+        assert!(r[0].success() && !r[0].timed_out, "{:?}", r[0]);
+        assert!(r[0].stdout.contains("rank 0 says hello"), "{:?}", r[0]);
+        assert_eq!(r[2].status.and_then(|s| s.code()), Some(3));
+        assert!(!r[2].timed_out);
+        // The ranks still running are killed at the deadline, with what they wrote until then.
+        for k in [1, 3] {
+            assert!(r[k].timed_out && r[k].killed() && !r[k].success(), "{:?}", r[k]);
+            assert!(r[k].stdout.contains(&format!("rank {k} sleeps")), "{:?}", r[k]);
+        }
+        assert_eq!(exit.failed(), [1, 2, 3]);
+        let e = exit.check().unwrap_err();
         assert!(e.is_timeout(), "{e}");
         assert!(
-            matches!(&e, Error::RanksFailed { ranks, after: Some(_), .. } if ranks == &[1, 2]),
+            matches!(&e, Error::RanksFailed { ranks, after: Some(_), .. } if ranks == &[1, 2, 3]),
             "{e:?}"
         );
-        assert!(
-            e.to_string()
-                .contains("(ranks 1, 2) still ran after 3s and were killed"),
-            "{e}"
+        assert_eq!(
+            e.to_string(),
+            "3 of the 4 ranks of the local job did not succeed within 3s: rank 1 still ran at \
+             the deadline and was killed (signal: 9 (SIGKILL)), rank 2 failed (exit status: 3), \
+             rank 3 still ran at the deadline and was killed (signal: 9 (SIGKILL)). Give them \
+             longer, or see what each wrote (JobExit::ranks) for where it stopped"
         );
         // Killed and reaped: no process, not even a zombie, is left.
         for pid in pids {
             assert!(!exists(pid), "process {pid} is left");
+        }
+    }
+
+    /// A process that does not end when killed until the test lets it, as one in
+    /// uninterruptible sleep in the GPU driver: what [`end_within`] must not wait for past its
+    /// bound.
+    struct Stuck {
+        /// Set by the test when the process may end; `wait` blocks until then.
+        free: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+        /// Set once `wait` has returned: the process was reaped.
+        reaped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        killed: bool,
+    }
+
+    impl Process for Stuck {
+        fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+            Ok(None)
+        }
+        fn kill(&mut self) -> std::io::Result<()> {
+            self.killed = true;
+            Ok(())
+        }
+        fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+            assert!(self.killed, "waited for before it was killed");
+            let (lock, freed) = &*self.free;
+            let mut free = lock.lock().unwrap();
+            while !*free {
+                free = freed.wait(free).unwrap();
+            }
+            self.reaped.store(true, std::sync::atomic::Ordering::SeqCst);
+            use std::os::unix::process::ExitStatusExt;
+            Ok(std::process::ExitStatus::from_raw(9))
+        }
+    }
+
+    #[test]
+    fn a_rank_that_does_not_end_when_killed_is_left_to_a_reaper_at_the_bound() {
+        let free = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let reaped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stuck = Stuck {
+            free: free.clone(),
+            reaped: reaped.clone(),
+            killed: false,
+        };
+        let bound = Duration::from_millis(300);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let ended = end_within(vec![stuck], bound);
+            let _ = tx.send((ended, started.elapsed()));
+        });
+        // Past the bound with room to spare; an unbounded wait never answers until freed.
+        let answer = rx.recv_timeout(bound + Duration::from_secs(5));
+        let release = || {
+            *free.0.lock().unwrap() = true;
+            free.1.notify_all();
+        };
+        let Ok((ended, took)) = answer else {
+            release();
+            panic!("end_within still waited for the stuck process 5 s past its bound");
+        };
+        assert!(took >= bound, "{took:?}");
+        assert_eq!(ended.len(), 1);
+        assert_eq!(ended[0], (None, true), "not ended, and killed");
+        assert!(!reaped.load(std::sync::atomic::Ordering::SeqCst));
+        // Once it ends, the reaper thread reaps it.
+        release();
+        let until = Instant::now() + Duration::from_secs(10);
+        while !reaped.load(std::sync::atomic::Ordering::SeqCst) {
+            assert!(Instant::now() < until, "the stuck process was never reaped");
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
