@@ -219,8 +219,11 @@ struct Report {
     setup: Counts,
     p2p: Counts,
     p2p_us: f64,
+    /// The process's CPU time per operation, all its threads.
+    p2p_cpu_us: f64,
     coll: Counts,
     coll_us: f64,
+    coll_cpu_us: f64,
 }
 
 impl Counts {
@@ -257,7 +260,8 @@ impl Report {
             "rss_kib": self.rss_kib, "threads": self.threads,
             "idle_cpu_ms_per_s": self.idle_cpu_ms_per_s,
             "setup": self.setup.json(), "p2p": self.p2p.json(), "p2p_us": self.p2p_us,
-            "coll": self.coll.json(), "coll_us": self.coll_us,
+            "p2p_cpu_us": self.p2p_cpu_us, "coll": self.coll.json(), "coll_us": self.coll_us,
+            "coll_cpu_us": self.coll_cpu_us,
         })
         .to_string()
     }
@@ -279,8 +283,10 @@ impl Report {
             setup: c("setup")?,
             p2p: c("p2p")?,
             p2p_us: f("p2p_us")?,
+            p2p_cpu_us: f("p2p_cpu_us")?,
             coll: c("coll")?,
             coll_us: f("coll_us")?,
+            coll_cpu_us: f("coll_cpu_us")?,
         })
     }
 }
@@ -368,8 +374,11 @@ fn timed(n: usize, mut op: impl FnMut() -> Result<(), String>) -> Result<f64, St
     Ok(t.elapsed().as_secs_f64() * 1e6 / n as f64)
 }
 
+/// What one phase measured: the counters' change, wall and CPU µs per operation.
+type Measured = (Counts, f64, f64);
+
 /// One phase of `ops` operations between barriers, after `warmup` untimed ones: the counters'
-/// change over the timed ones, and the time per operation.
+/// change over the timed ones, and the wall and CPU time per operation.
 fn phase(
     dir: &Path,
     rank: usize,
@@ -377,18 +386,20 @@ fn phase(
     warmup: usize,
     ops: usize,
     mut op: impl FnMut() -> Result<(), String>,
-) -> Result<(Counts, f64), String> {
+) -> Result<Measured, String> {
     timed(warmup.max(1), &mut op)?;
     barrier(dir, rank, &format!("{name}-warm"))?;
     std::thread::sleep(QUIET);
     let before = sockets::tcp();
     barrier(dir, rank, &format!("{name}-start"))?;
+    let cpu = process_cpu();
     let us = timed(ops, &mut op)?;
+    let cpu_us = (process_cpu() - cpu).as_secs_f64() * 1e6 / ops as f64;
     barrier(dir, rank, &format!("{name}-done"))?;
     std::thread::sleep(QUIET);
     let after = sockets::tcp();
     barrier(dir, rank, &format!("{name}-counted"))?;
-    Ok((after.since(before).into(), us))
+    Ok((after.since(before).into(), us, cpu_us))
 }
 
 fn rank_main(rank: usize) -> Result<(), String> {
@@ -414,7 +425,7 @@ fn rank_main(rank: usize) -> Result<(), String> {
     let idle_cpu_ms_per_s = (process_cpu() - cpu).as_secs_f64() * 1e3 / t.elapsed().as_secs_f64();
     barrier(&dir, rank, "idle")?;
     let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-    let (p2p, p2p_us) = phase(&dir, rank, "p2p", warmup, ops, || {
+    let (p2p, p2p_us, p2p_cpu_us) = phase(&dir, rank, "p2p", warmup, ops, || {
         if rank.is_multiple_of(2) {
             me.exchange(next, &[8], &[])?;
             me.exchange(prev, &[], &[8])
@@ -423,7 +434,7 @@ fn rank_main(rank: usize) -> Result<(), String> {
             me.exchange(next, &[8], &[])
         }
     })?;
-    let (coll, coll_us) = phase(&dir, rank, "coll", warmup, ops, || me.all_reduce(&[8]))?;
+    let (coll, coll_us, coll_cpu_us) = phase(&dir, rank, "coll", warmup, ops, || me.all_reduce(&[8]))?;
     let report = Report {
         rank,
         remote: me.remote().len(),
@@ -436,8 +447,10 @@ fn rank_main(rank: usize) -> Result<(), String> {
         setup: setup.into(),
         p2p,
         p2p_us,
+        p2p_cpu_us,
         coll,
         coll_us,
+        coll_cpu_us,
     };
     println!("{}", report.json());
     // No rank closes its channel while another may still read from it.
@@ -691,7 +704,7 @@ fn print_row(r: &Row) {
     let per = |f: fn(&Report) -> u64| spread(&r.reports, |x| f(x) as f64 / r.ops as f64);
     let setup = |f: fn(&Report) -> f64| spread(&r.reports, f);
     println!(
-        "{:>5} {:>5} | {:>5} {:>9} {:>15} {:>9} {:>7} {:>9} | {:>15} {:>17} {:>9} | {:>19} {:>19} {:>11} | {}",
+        "{:>5} {:>5} | {:>5} {:>9} {:>15} {:>9} {:>7} {:>9} | {:>15} {:>17} {:>20} | {:>19} {:>19} {:>22} | {}",
         r.world,
         r.ops,
         show(setup(|x| x.setup.established as f64), 0),
@@ -702,10 +715,18 @@ fn print_row(r: &Row) {
         format!("{:.1}", setup(|x| x.idle_cpu_ms_per_s)[1]),
         show(per(|x| x.p2p.records_out), 2),
         show(per(|x| x.p2p.bytes_out), 0),
-        format!("{:.1}", spread(&r.reports, |x| x.p2p_us)[1]),
+        format!(
+            "{:.1} ({:.1})",
+            spread(&r.reports, |x| x.p2p_us)[1],
+            spread(&r.reports, |x| x.p2p_cpu_us)[1]
+        ),
         show(per(|x| x.coll.records_out), 2),
         show(per(|x| x.coll.bytes_out), 0),
-        format!("{:.1}", spread(&r.reports, |x| x.coll_us)[1]),
+        format!(
+            "{:.1} ({:.1})",
+            spread(&r.reports, |x| x.coll_us)[1],
+            spread(&r.reports, |x| x.coll_cpu_us)[1]
+        ),
         r.netns.map_or("-".into(), |n| {
             format!(
                 "{:.2} pkts, {:.3} retrans",
@@ -740,10 +761,11 @@ fn run(o: &Opts, netns: bool) -> Result<(), String> {
     println!(
         "per rank, lo/median/hi over the ranks where they differ: connections, handshakes (the \
          namespace's), setup time outside the all-gather, memory, threads, idle CPU ms per s; \
-         per operation: records sent (data segments sent once), bytes sent, µs (median rank)"
+         per operation: records sent (data segments sent once), bytes sent, µs of wall time (and of \
+         the process's CPU time), median rank"
     );
     println!(
-        "{:>5} {:>5} | {:>5} {:>9} {:>15} {:>9} {:>7} {:>9} | {:>15} {:>17} {:>9} | {:>19} {:>19} {:>11} | namespace per rank per collective",
+        "{:>5} {:>5} | {:>5} {:>9} {:>15} {:>9} {:>7} {:>9} | {:>15} {:>17} {:>20} | {:>19} {:>19} {:>22} | namespace per rank per collective",
         "world",
         "ops",
         "conns",
@@ -754,10 +776,10 @@ fn run(o: &Opts, netns: bool) -> Result<(), String> {
         "idle CPU",
         "p2p records",
         "p2p bytes",
-        "p2p µs",
+        "p2p µs (CPU)",
         "coll records",
         "coll bytes",
-        "coll µs",
+        "coll µs (CPU)",
     );
     let mut rows = Vec::new();
     for &w in &o.worlds {
@@ -827,6 +849,16 @@ fn plot(path: &Path, rows: &[Row]) -> Result<(), String> {
             "µs per ring step (median rank)",
             BLUE,
             Box::new(|r: &Row| med(r, &|x| x.p2p_us)),
+        ),
+        (
+            "CPU µs per collective, the rank's process",
+            RGBColor(230, 140, 0),
+            Box::new(|r: &Row| med(r, &|x| x.coll_cpu_us)),
+        ),
+        (
+            "CPU µs per ring step, the rank's process",
+            RGBColor(0, 160, 160),
+            Box::new(|r: &Row| med(r, &|x| x.p2p_cpu_us)),
         ),
     ];
     let panel_specs = [
