@@ -669,6 +669,7 @@ fn columns() -> Vec<Column> {
         ("p2p_us_per_step_slowest_rank", |r| {
             spread(&r.reports, |x| x.p2p_us)[2]
         }),
+        ("p2p_cpu_us_per_rank_per_step", |r| med(r, |x| x.p2p_cpu_us)),
         ("coll_records_out_per_rank_per_op", |r| {
             per_op(r, |x| x.coll.records_out)
         }),
@@ -688,6 +689,7 @@ fn columns() -> Vec<Column> {
         ("coll_us_per_op_slowest_rank", |r| {
             spread(&r.reports, |x| x.coll_us)[2]
         }),
+        ("coll_cpu_us_per_rank_per_op", |r| med(r, |x| x.coll_cpu_us)),
         ("netns_lo_packets_per_rank_per_coll", |r| {
             ns(r, 2, |n| n.lo_packets) / (r.world * r.ops) as f64
         }),
