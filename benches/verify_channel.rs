@@ -18,11 +18,15 @@
 //! `cargo bench --bench verify_channel [-- ITERATIONS] [auto|tcp]` (both modes unless one is
 //! named).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use handoff::nccl::rehearsal::Rank;
+
+mod harness;
+
+use harness::files::{FileGather, wait_for};
 
 const ROLE: &str = "HANDOFF_BENCH_ROLE";
 /// Rank 0's work between two sends in the receiver-ahead measurement.
@@ -82,23 +86,8 @@ fn main() {
 
 fn rank_main(rank: usize, iterations: usize) {
     let dir = PathBuf::from(std::env::var(DIR).unwrap());
-    let mut round = 0;
-    let mut gather = |w: &[u64]| -> Result<Vec<u64>, String> {
-        let name = |r: usize| dir.join(format!("round{round}-rank{r}"));
-        let tmp = dir.join(format!("tmp{round}-{rank}"));
-        std::fs::write(&tmp, w.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
-            .map_err(|e| e.to_string())?;
-        std::fs::rename(&tmp, name(rank)).map_err(|e| e.to_string())?;
-        let mut all = Vec::new();
-        for r in 0..2 {
-            wait_for(&name(r));
-            let b = std::fs::read(name(r)).map_err(|e| e.to_string())?;
-            all.extend(b.chunks(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())));
-        }
-        round += 1;
-        Ok(all)
-    };
-    let me = Rank::settle(rank, 2, Duration::from_secs(10), &mut gather).unwrap();
+    let mut files = FileGather::new(dir.clone(), rank, 2);
+    let me = Rank::settle(rank, 2, Duration::from_secs(10), &mut |w| files.gather(w)).unwrap();
     let peer = 1 - rank;
     let step = || {
         if rank == 0 {
@@ -155,7 +144,7 @@ fn rank_main(rank: usize, iterations: usize) {
         step();
     }
     std::fs::write(dir.join(format!("done{rank}")), b"").unwrap();
-    wait_for(&dir.join(format!("done{peer}")));
+    wait_for(&dir.join(format!("done{peer}")), Duration::from_secs(20)).unwrap();
     times.sort();
     streamed.sort();
     ahead.sort();
@@ -328,12 +317,4 @@ fn tcp_floor(iterations: usize) {
         us(ahead[ahead.len() / 2]),
         us(ahead_cpu[ahead_cpu.len() / 2])
     );
-}
-
-fn wait_for(f: &Path) {
-    let until = Instant::now() + Duration::from_secs(20);
-    while !f.exists() {
-        assert!(Instant::now() < until, "{} did not appear", f.display());
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }

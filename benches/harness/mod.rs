@@ -6,6 +6,9 @@
 
 #![allow(dead_code)]
 
+pub mod files;
+pub mod sockets;
+
 use std::fmt::Write as _;
 
 use handoff::Launch;
