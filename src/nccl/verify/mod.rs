@@ -32,7 +32,9 @@ pub(crate) mod mailbox;
 pub(crate) mod model;
 pub(crate) mod order;
 pub mod rehearsal;
+pub(crate) mod rule;
 pub(crate) mod setup;
+pub(crate) mod transport;
 pub(crate) mod wire;
 
 use std::cell::RefCell;
@@ -43,20 +45,20 @@ use smallvec::SmallVec;
 
 use crate::trace;
 
-use mailbox::{BROKEN, RING, Region};
-use wire::{CollDesc, CollEntry, Dir, OpDesc, compare, compare_coll};
+use channel::Channelled;
+use mailbox::{Region, SharedMemory};
+use transport::{Transport, wait_in_memory};
+use wire::{CollDesc, CollEntry, Dir, OpDesc};
+
+pub(crate) use rule::{Failure, Progress};
 
 /// One rank's view of the mailboxes of its communicator.
 pub(crate) struct Mailboxes {
     rank: usize,
     /// Every rank's mailbox, this rank's own included (written by this rank only).
     regions: Arc<[Arc<Region>]>,
-    /// Per peer: this rank's sends published, receives published, sends checked, receives
-    /// checked (counts since creation).
-    counters: RefCell<Vec<[u64; 4]>>,
-    /// Collectives: how many this rank published, and per peer how many of the peer's it
-    /// checked (counts since creation).
-    colls: RefCell<(u64, Vec<u64>)>,
+    /// Where verification picks up ([`rule::Counts`]).
+    counts: RefCell<rule::Counts>,
     /// Groups posted behind a gate, not yet checked ([`held`]).
     held: RefCell<held::HeldQueue>,
     /// Why a held group failed: once set, nothing is verified here any more (the checked
@@ -66,11 +68,6 @@ pub(crate) struct Mailboxes {
     connected: RefCell<held::Connected>,
 }
 
-const SENT: usize = 0;
-const RECEIVED: usize = 1;
-const SENDS_CHECKED: usize = 2;
-const RECVS_CHECKED: usize = 3;
-
 impl Mailboxes {
     /// `regions[rank]` is this rank's own.
     pub(crate) fn new(rank: usize, regions: Arc<[Arc<Region>]>) -> Mailboxes {
@@ -78,8 +75,7 @@ impl Mailboxes {
         Mailboxes {
             rank,
             regions,
-            counters: RefCell::new(vec![[0; 4]; world]),
-            colls: RefCell::new((0, vec![0; world])),
+            counts: RefCell::new(rule::Counts::new(world)),
             held: RefCell::default(),
             failed: RefCell::default(),
             connected: RefCell::default(),
@@ -88,6 +84,33 @@ impl Mailboxes {
 
     fn mine(&self) -> &Region {
         &self.regions[self.rank]
+    }
+
+    /// The transport to the peers of this communicator that `pairs` and `colls` (of any
+    /// communicators) involve: the channel if it reaches one of them, else shared memory.
+    fn route<'a>(&'a self, pairs: &[PairOps<'a>], colls: &[CollOps<'a>]) -> Route<'a> {
+        let memory = SharedMemory {
+            rank: self.rank,
+            regions: &self.regions,
+        };
+        let Some(c) = channel::of(self.mine()) else {
+            return Route::Memory(memory);
+        };
+        let mut peers: SmallVec<[usize; 4]> = pairs
+            .iter()
+            .filter(|p| std::ptr::eq(p.boxes, self))
+            .map(|p| p.peer)
+            .collect();
+        if colls.iter().any(|c| std::ptr::eq(c.boxes, self)) {
+            peers.extend((0..self.regions.len()).filter(|&r| r != self.rank));
+        }
+        peers.sort_unstable();
+        peers.dedup();
+        if peers.iter().any(|&p| c.reaches(p)) {
+            Route::Channel(Channelled::new(memory, c, &peers))
+        } else {
+            Route::Memory(memory)
+        }
     }
 }
 
@@ -111,238 +134,133 @@ pub(crate) struct CollOps<'a> {
     pub(crate) timeout: Duration,
 }
 
-#[derive(Default, Clone, PartialEq)]
-struct CollDone {
-    /// The group's collectives in NCCL's order.
-    ops: SmallVec<[CollDesc; 2]>,
-    published: usize,
-    /// Per peer.
-    checked: SmallVec<[usize; 8]>,
-    /// The index its first collective was published at.
-    at: u64,
+/// One communicator's transport for one verification.
+enum Route<'a> {
+    Memory(SharedMemory<'a>),
+    Channel(Channelled<'a>),
 }
 
-impl CollDone {
-    fn new(c: &CollOps<'_>) -> CollDone {
-        let mut ops = c.ops.clone();
-        order::nccl_order(&mut ops, c.boxes.regions.len());
-        CollDone {
-            ops,
-            published: 0,
-            checked: SmallVec::from_elem(0, c.boxes.regions.len()),
-            at: 0,
+/// Calls `$call` on whichever transport `$route` is.
+macro_rules! either {
+    ($route:expr, $t:ident => $call:expr) => {
+        match $route {
+            Route::Memory($t) => $call,
+            Route::Channel($t) => $call,
         }
-    }
-
-    /// Entry `i` of the group, as published.
-    fn entry(&self, i: usize) -> CollEntry {
-        CollEntry {
-            desc: self.ops[i],
-            group_end: i + 1 == self.ops.len(),
-        }
-    }
+    };
 }
 
-/// Publishes and (with `check`) checks what it can of one rank's collectives. Ok(true) if
-/// anything moved.
-fn step_coll(c: &CollOps<'_>, d: &mut CollDone, check: bool) -> Result<bool, Failure> {
-    let me = c.boxes.rank;
-    let regions = &c.boxes.regions;
-    let mine = c.boxes.mine();
-    let mut st = c.boxes.colls.borrow_mut();
-    let (published, checked) = &mut *st;
-    let mut moved = false;
-    while d.published < c.ops.len() {
-        // Every peer must have checked the entry the slot held before.
-        let oldest = (0..regions.len())
-            .filter(|&p| p != me)
-            .map(|p| regions[p].coll_checked(me))
-            .min()
-            .unwrap_or(u64::MAX);
-        if *published >= RING.saturating_add(oldest) {
-            break;
-        }
-        if d.published == 0 {
-            d.at = *published;
-        }
-        mine.publish_coll(*published, d.entry(d.published));
-        *published += 1;
-        d.published += 1;
-        moved = true;
-    }
-    if !check {
-        return Ok(moved);
-    }
-    if moved {
-        // What it published is visible before it reads: see `gated`.
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-    }
-    for p in (0..regions.len()).filter(|&p| p != me) {
-        while d.checked[p] < c.ops.len() {
-            let index = checked[p];
-            let Some(theirs) = regions[p].read_coll(index) else {
-                break;
-            };
-            compare_coll(me, p, index, d.entry(d.checked[p]), theirs).map_err(Failure::Mismatch)?;
-            checked[p] += 1;
-            d.checked[p] += 1;
-            mine.set_coll_checked(p, checked[p]);
-            moved = true;
-        }
-    }
-    Ok(moved)
-}
-
-/// Every operation of the pair published and checked.
-fn pair_finished(p: &PairOps<'_>, d: &Done) -> bool {
-    let all = [p.sends.len(), p.recvs.len()];
-    d.published == all && d.checked == all
-}
-
-fn coll_finished(c: &CollOps<'_>, d: &CollDone) -> bool {
-    let me = c.boxes.rank;
-    d.published == c.ops.len()
-        && d.checked
-            .iter()
-            .enumerate()
-            .all(|(p, &n)| p == me || n == c.ops.len())
-}
-
-/// Why verification failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Failure {
-    /// The two sides disagree (both ranks see this).
-    Mismatch(String),
-    /// The peer's communicator broke while this rank waited for it.
-    PeerBroken(usize),
-    /// The peer did not post the counterpart in time.
-    Timeout {
-        peer: usize,
-        waited: Duration,
-        what: String,
-    },
-}
-
-impl Failure {
-    /// The error a call returns for it; `after` is the communicator's timeout.
-    pub(crate) fn into_error(self, after: Duration) -> crate::Error {
-        use crate::Error;
-        match self {
-            Failure::Mismatch(detail) => Error::Mismatch { detail },
-            Failure::PeerBroken(peer) => Error::PeerBroken { peer },
-            Failure::Timeout { peer, waited, what } => Error::Timeout {
-                what: format!("waiting for rank {peer}'s counterpart ({what}; waited {waited:?})"),
-                after,
-            },
-        }
-    }
-}
-
-/// The remote peers one verification waits on, through its rank's channel: while it runs,
-/// what it tells them is corked, and goes out before it waits and when it returns (on every
-/// path: a mismatch reaches the peer too); it reads their sockets itself (see [`channel`]).
-struct Links<'a> {
-    links: SmallVec<[(&'a channel::Channel, usize); 4]>,
-    /// Each link's [`channel::Channel::mark`] when this verification last looked.
-    seen: SmallVec<[u64; 4]>,
-    /// Every peer the verification may wait on is remote: their sockets say when to look.
-    all_remote: bool,
-}
-
-impl<'a> Links<'a> {
-    fn of(pairs: &[PairOps<'a>], colls: &[CollOps<'a>]) -> Links<'a> {
-        let mut links: SmallVec<[(&'a channel::Channel, usize); 4]> = SmallVec::new();
-        let mut all_remote = true;
-        let mut add = |c: &'a channel::Channel, r: usize| {
-            if !links.iter().any(|&(d, s)| std::ptr::eq(c, d) && r == s) {
-                links.push((c, r));
-            }
-        };
-        for p in pairs {
-            match channel::of(p.boxes.mine()).filter(|c| c.reaches(p.peer)) {
-                Some(c) => add(c, p.peer),
-                None => all_remote = false,
-            }
-        }
-        for c in colls {
-            match channel::of(c.boxes.mine()) {
-                Some(ch) => {
-                    all_remote &= ch.remote_count() + 1 == c.boxes.regions.len();
-                    ch.remote().for_each(|r| add(ch, r));
-                }
-                None => all_remote &= c.boxes.regions.len() == 1,
-            }
-        }
-        for &(c, r) in &links {
-            c.cork(r);
-        }
-        let seen = links.iter().map(|&(c, r)| c.mark(r)).collect();
-        Links {
-            links,
-            seen,
-            all_remote,
-        }
+impl Transport for Route<'_> {
+    fn publish(&self, peer: usize, dir: Dir, index: u64, op: OpDesc) {
+        either!(self, t => t.publish(peer, dir, index, op))
     }
 
-    /// Reads the remote peers' sockets. False only if no mirror moved since the last look.
+    fn read(&self, peer: usize, dir: Dir, index: u64) -> Option<OpDesc> {
+        either!(self, t => t.read(peer, dir, index))
+    }
+
+    fn checked(&self, peer: usize, dir: Dir) -> u64 {
+        either!(self, t => t.checked(peer, dir))
+    }
+
+    fn mark_checked(&self, peer: usize, dir: Dir, n: u64) {
+        either!(self, t => t.mark_checked(peer, dir, n))
+    }
+
+    fn publish_coll(&self, index: u64, entry: CollEntry) {
+        either!(self, t => t.publish_coll(index, entry))
+    }
+
+    fn read_coll(&self, peer: usize, index: u64) -> Option<Option<CollEntry>> {
+        either!(self, t => t.read_coll(peer, index))
+    }
+
+    fn coll_checked(&self, peer: usize) -> u64 {
+        either!(self, t => t.coll_checked(peer))
+    }
+
+    fn mark_coll_checked(&self, peer: usize, n: u64) {
+        either!(self, t => t.mark_coll_checked(peer, n))
+    }
+
+    fn broken(&self, peer: usize) -> bool {
+        either!(self, t => t.broken(peer))
+    }
+
     fn pump(&mut self) -> bool {
-        if let Some(c) = self.one_channel().filter(|_| self.links.len() > 2) {
-            // Many peers (a collective's): ask which sockets have something first.
-            return c.pump_ready(self.links.iter().map(|&(_, r)| r), &mut self.seen);
+        either!(self, t => t.pump())
+    }
+
+    fn flush(&mut self) {
+        either!(self, t => t.flush())
+    }
+
+    fn wait(&mut self, looks: u32, timeout: Duration) {
+        either!(self, t => t.wait(looks, timeout))
+    }
+
+    fn holds(&self) -> bool {
+        either!(self, t => t.holds())
+    }
+}
+
+/// The transports of one verification: one per communicator its operations are on.
+pub(crate) struct Routes<'a> {
+    each: SmallVec<[(&'a Mailboxes, Route<'a>); 1]>,
+}
+
+impl<'a> Routes<'a> {
+    pub(crate) fn new(pairs: &[PairOps<'a>], colls: &[CollOps<'a>]) -> Routes<'a> {
+        let mut each: SmallVec<[(&'a Mailboxes, Route<'a>); 1]> = SmallVec::new();
+        for b in pairs.iter().map(|p| p.boxes).chain(colls.iter().map(|c| c.boxes)) {
+            if !each.iter().any(|(d, _)| std::ptr::eq(*d, b)) {
+                each.push((b, b.route(pairs, colls)));
+            }
         }
+        Routes { each }
+    }
+
+    /// The transport of `boxes`' operations.
+    fn of(&self, boxes: &Mailboxes) -> &Route<'a> {
+        &self
+            .each
+            .iter()
+            .find(|(b, _)| std::ptr::eq(*b, boxes))
+            .expect("a route for every communicator of the verification")
+            .1
+    }
+
+    /// Whether every transport may hold ([`Transport::holds`]).
+    pub(crate) fn hold(&self) -> bool {
+        self.each.iter().all(|(_, r)| r.holds())
+    }
+
+    fn pump(&mut self) -> bool {
         let mut any = false;
-        for (&(c, r), seen) in self.links.iter().zip(&mut self.seen) {
-            any |= c.pump(r, seen);
+        for (_, r) in &mut self.each {
+            any |= r.pump();
         }
         any
     }
 
-    /// The channel every link goes through, if one does.
-    fn one_channel(&self) -> Option<&'a channel::Channel> {
-        let &(c, _) = self.links.first()?;
-        self.links.iter().all(|&(d, _)| std::ptr::eq(c, d)).then_some(c)
-    }
-
-    fn flush(&self) {
-        for &(c, r) in &self.links {
-            c.flush(r);
+    fn flush(&mut self) {
+        for (_, r) in &mut self.each {
+            r.flush();
         }
     }
 
-    /// Waits up to `timeout` for a remote peer to send something.
-    fn wait(&self, timeout: Duration) {
-        match self.one_channel() {
-            Some(c) => c.wait(self.links.iter().map(|&(_, r)| r), timeout),
-            None => std::thread::sleep(Duration::from_micros(50)),
+    fn wait(&mut self, looks: u32, timeout: Duration) {
+        match self.each.as_mut_slice() {
+            [(_, one)] => one.wait(looks, timeout),
+            // Several communicators' peers: no one transport says when to look.
+            _ => wait_in_memory(looks, timeout),
         }
     }
 }
 
-impl Drop for Links<'_> {
-    fn drop(&mut self) {
-        for &(c, r) in &self.links {
-            c.uncork(r);
-        }
-    }
-}
-
-/// How many times a verification waiting only for remote peers looks before it sleeps on
-/// their sockets: each look reads them (a system call), so this is some 100 µs, more than a
-/// frame takes over a loopback or a LAN; spinning longer starves ranks that share the cores.
-const REMOTE_SPINS: u32 = 200;
-
-/// How long a verification waiting only for remote peers sleeps on their sockets at a time,
-/// once it has spun: a frame wakes it at once; this bounds how late it sees a timeout.
-const REMOTE_WAIT: Duration = Duration::from_millis(5);
-
-#[derive(Default, Clone, Copy, PartialEq)]
-struct Done {
-    published: [usize; 2],
-    checked: [usize; 2],
-    /// The index its first send and first receive were published at: a group's operations of
-    /// one direction are published one after another.
-    at: [u64; 2],
-}
+/// How long a verification waiting for its peers waits at a time, once it has spun: a frame
+/// on a socket wakes it at once; this bounds how late it sees a timeout.
+const WAIT: Duration = Duration::from_millis(5);
 
 /// Publishes every operation of `pairs` and checks each against its counterpart, waiting (with
 /// each pair's timeout) for peers in other threads or processes. On success every operation
@@ -390,13 +308,7 @@ fn report(r: &Result<(), Failure>, progress: &Progress, pairs: &[PairOps<'_>], c
         Ok(()) => {}
     }
     if let Some(started) = progress.started {
-        // The peers it may have waited for: each pair's, and for collectives every other rank.
-        let mut peers: SmallVec<[usize; 4]> = pairs.iter().map(|p| p.peer).collect();
-        for c in colls {
-            peers.extend((0..c.boxes.regions.len()).filter(|&r| r != c.boxes.rank));
-        }
-        peers.sort_unstable();
-        peers.dedup();
+        let peers = Progress::peers(pairs, colls);
         trace::event!(
             debug,
             peers = ?peers.as_slice(),
@@ -404,26 +316,6 @@ fn report(r: &Result<(), Failure>, progress: &Progress, pairs: &[PairOps<'_>], c
             ok = r.is_ok(),
             "handoff: verification waited for a peer"
         );
-    }
-}
-
-/// How far one verification got: what [`resume`] picks up.
-#[derive(Clone, PartialEq)]
-pub(crate) struct Progress {
-    done: SmallVec<[Done; 2]>,
-    coll_done: SmallVec<[CollDone; 1]>,
-    /// When it first had to wait (the clock is read only then: the peer has usually posted
-    /// already).
-    started: Option<Instant>,
-}
-
-impl Progress {
-    pub(crate) fn new(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Progress {
-        Progress {
-            done: SmallVec::from_elem(Done::default(), pairs.len()),
-            coll_done: colls.iter().map(CollDone::new).collect(),
-            started: None,
-        }
     }
 }
 
@@ -450,23 +342,9 @@ pub(crate) enum Wait {
     PublishOnly,
 }
 
-fn all_published(
-    pairs: &[PairOps<'_>],
-    done: &[Done],
-    colls: &[CollOps<'_>],
-    coll_done: &[CollDone],
-) -> bool {
-    pairs
-        .iter()
-        .zip(done)
-        .all(|(p, d)| d.published == [p.sends.len(), p.recvs.len()])
-        && colls
-            .iter()
-            .zip(coll_done)
-            .all(|(c, d)| d.published == c.ops.len())
-}
-
-/// [`resume`] as far as `wait` says: `Ok(true)` once every operation is checked.
+/// [`resume`] as far as `wait` says: `Ok(true)` once every operation is checked. The rule
+/// ([`rule`]) decides; this moves its entries through each communicator's transport, reads the
+/// clock when it stalls, and waits.
 pub(crate) fn resume_with(
     pairs: &[PairOps<'_>],
     colls: &[CollOps<'_>],
@@ -480,197 +358,41 @@ pub(crate) fn resume_with(
             return Err(f);
         }
     }
-    let Progress {
-        done,
-        coll_done,
-        started,
-    } = progress;
-    let mut links = Links::of(pairs, colls);
+    let mut routes = Routes::new(pairs, colls);
+    let check = wait != Wait::PublishOnly;
     let mut pumped = false;
-    let mut spins = 0u32;
+    let mut looks = 0u32;
     loop {
-        let mut progressed = false;
-        let mut finished = true;
-        let check = wait != Wait::PublishOnly;
-        for (p, d) in pairs.iter().zip(done.iter_mut()) {
-            progressed |= step(p, d, check)?;
-            finished &= pair_finished(p, d);
-        }
-        for (c, d) in colls.iter().zip(coll_done.iter_mut()) {
-            progressed |= step_coll(c, d, check)?;
-            finished &= coll_finished(c, d);
-        }
-        let published = all_published(pairs, done, colls, coll_done);
+        let mut moved = progress.advance(pairs, colls, &routes, check)?;
+        let published = progress.all_published(pairs, colls);
         if wait == Wait::PublishOnly && published {
             return Ok(false);
         }
-        if finished {
-            // A peer whose entries were all there may have broken since it published them: it
-            // will not post its side, so do not post ours. (A remote peer's note of it may be
-            // in its socket still, if this call has not read it yet.)
+        if progress.finished(pairs, colls) {
+            // A remote peer's note that it broke may be in its socket still, if this call has
+            // not read it yet.
             if !pumped {
-                links.pump();
+                routes.pump();
             }
-            let broken_pair = pairs
-                .iter()
-                .find(|p| p.boxes.regions[p.peer].status() == BROKEN)
-                .map(|p| p.peer);
-            let broken_coll = colls.iter().find_map(|c| {
-                (0..c.boxes.regions.len())
-                    .find(|&r| r != c.boxes.rank && c.boxes.regions[r].status() == BROKEN)
-            });
-            return match broken_pair.or(broken_coll) {
-                Some(peer) => Err(Failure::PeerBroken(peer)),
-                None => Ok(true),
-            };
+            return progress.conclude(pairs, colls, &routes).map(|()| true);
         }
         // What this step published and checked goes out before this rank waits, and what
         // remote peers sent since comes in.
-        links.flush();
-        progressed |= links.pump();
+        routes.flush();
+        moved |= routes.pump();
         pumped = true;
-        if progressed {
-            spins = 0;
+        if moved {
+            looks = 0;
             continue;
         }
         // Stalled: waiting for a peer, or for a counterpart that will never come.
-        let started = *started.get_or_insert_with(Instant::now);
-        for (p, d) in pairs.iter().zip(done.iter()) {
-            if pair_finished(p, d) {
-                continue;
-            }
-            if p.boxes.regions[p.peer].status() == BROKEN {
-                // What the peer published before it broke is visible now (its status is read
-                // with acquire): a mismatch in it is a mismatch here too, as on the peer.
-                step(p, &mut d.clone(), true)?;
-                return Err(Failure::PeerBroken(p.peer));
-            }
-            let waited = started.elapsed();
-            if waited >= p.timeout {
-                return Err(Failure::Timeout {
-                    peer: p.peer,
-                    waited,
-                    what: pending(p, d),
-                });
-            }
-        }
-        for (c, d) in colls.iter().zip(coll_done.iter()) {
-            if coll_finished(c, d) {
-                continue;
-            }
-            let me = c.boxes.rank;
-            let behind = (0..c.boxes.regions.len()).find(|&r| r != me && d.checked[r] < c.ops.len());
-            let what = || match behind {
-                Some(r) => format!(
-                    "rank {r} has not posted the counterpart of rank {me}'s collective #{}",
-                    c.boxes.colls.borrow().1[r] + 1
-                ),
-                None => "the other ranks have not yet checked this rank's earlier collectives".into(),
-            };
-            let broken =
-                (0..c.boxes.regions.len()).find(|&r| r != me && c.boxes.regions[r].status() == BROKEN);
-            if let Some(r) = broken {
-                // As for a pair: what the peer published before it broke is checked first.
-                step_coll(c, &mut d.clone(), true)?;
-                return Err(Failure::PeerBroken(r));
-            }
-            let waited = started.elapsed();
-            if waited >= c.timeout {
-                return Err(Failure::Timeout {
-                    peer: behind.unwrap_or(me),
-                    waited,
-                    what: what(),
-                });
-            }
-        }
+        progress.stalled(pairs, colls, &routes, Instant::now())?;
         if wait == Wait::Publish && published || wait == Wait::PublishOnly {
             // PublishOnly stalled: the ring is full; the caller checks on the host instead.
             return Ok(false);
         }
-        // A peer on another core usually posts within microseconds; a slow one gets the CPU
-        // back, and remote ones wake this thread when they send.
-        spins += 1;
-        let remote = links.all_remote && !links.links.is_empty();
-        if spins < if remote { REMOTE_SPINS } else { 2_000 } {
-            std::hint::spin_loop();
-        } else if remote {
-            links.wait(REMOTE_WAIT);
-        } else if spins < 2_100 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    }
-}
-
-/// Publishes and (with `check`) checks what it can for one pair. Ok(true) if anything moved.
-fn step(p: &PairOps<'_>, d: &mut Done, check: bool) -> Result<bool, Failure> {
-    let me = p.boxes.rank;
-    let mine = p.boxes.mine();
-    let theirs = &p.boxes.regions[p.peer];
-    let mut counters = p.boxes.counters.borrow_mut();
-    let c = &mut counters[p.peer];
-    let mut moved = false;
-    for (dir, ops, side, posted) in [(Dir::Send, &p.sends, 0, SENT), (Dir::Recv, &p.recvs, 1, RECEIVED)] {
-        // Publish while the peer has checked what the slot held before.
-        while d.published[side] < ops.len() && c[posted] < RING + theirs.checked(me, dir) {
-            if d.published[side] == 0 {
-                d.at[side] = c[posted];
-            }
-            mine.publish(p.peer, dir, c[posted], ops[d.published[side]]);
-            c[posted] += 1;
-            d.published[side] += 1;
-            moved = true;
-        }
-    }
-    if !check {
-        return Ok(moved);
-    }
-    if moved {
-        // What it published is visible before it reads: see `gated`.
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-    }
-    for (dir, ops, side, checked) in [
-        (Dir::Send, &p.sends, 0, SENDS_CHECKED),
-        (Dir::Recv, &p.recvs, 1, RECVS_CHECKED),
-    ] {
-        let counterpart = if dir == Dir::Send { Dir::Recv } else { Dir::Send };
-        while d.checked[side] < ops.len() {
-            let index = c[checked];
-            let Some(other) = theirs.read(me, counterpart, index) else {
-                break;
-            };
-            compare(me, p.peer, dir, index, ops[d.checked[side]], other).map_err(Failure::Mismatch)?;
-            c[checked] += 1;
-            d.checked[side] += 1;
-            // The peer may now reuse the slot that entry was in.
-            mine.set_checked(p.peer, counterpart, c[checked]);
-            moved = true;
-        }
-    }
-    Ok(moved)
-}
-
-fn pending(p: &PairOps<'_>, d: &Done) -> String {
-    let me = p.boxes.rank;
-    let c = p.boxes.counters.borrow()[p.peer];
-    if d.checked[0] < p.sends.len() {
-        format!(
-            "rank {me}'s send #{} to rank {} has no matching receive posted",
-            c[SENDS_CHECKED] + 1,
-            p.peer,
-        )
-    } else if d.checked[1] < p.recvs.len() {
-        format!(
-            "rank {me}'s receive #{} from rank {} has no matching send posted",
-            c[RECVS_CHECKED] + 1,
-            p.peer,
-        )
-    } else {
-        format!(
-            "rank {} has not yet checked rank {me}'s earlier operations",
-            p.peer
-        )
+        looks += 1;
+        routes.wait(looks, WAIT);
     }
 }
 
