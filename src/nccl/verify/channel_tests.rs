@@ -76,7 +76,7 @@ fn two(secret: Option<&'static [u8]>, timeout: Duration) -> [Mailboxes; 2] {
 }
 
 /// `n` ranks of this process, every pair joined by the channel (no mailbox files).
-fn world(n: usize, timeout: Duration) -> Vec<Mailboxes> {
+pub(super) fn world(n: usize, timeout: Duration) -> Vec<Mailboxes> {
     let token = |r: usize| T0 ^ ((r as u128 + 1) * 0x0101_0101);
     let mut connections: Vec<Vec<Connection>> = (0..n).map(|_| Vec::new()).collect();
     for server in 0..n {

@@ -396,16 +396,43 @@ pub(crate) fn resume_with(
     }
 }
 
+/// How the ranks of a test reach each other: every transport runs the same tests.
+#[cfg(test)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Via {
+    /// Regions in this process's memory, as ranks of one host share them.
+    Memory,
+    /// Each rank's own region, and mirrors of its peers' that the channel fills over loopback
+    /// TCP, as ranks of different hosts see them.
+    Channel,
+}
+
+#[cfg(test)]
+impl Via {
+    pub(crate) const BOTH: [Via; 2] = [Via::Memory, Via::Channel];
+
+    /// The mailboxes of `n` ranks of this process, rank `r` at `r`.
+    pub(crate) fn world(self, n: usize) -> Vec<Mailboxes> {
+        match self {
+            Via::Memory => {
+                let regions: Arc<[Arc<Region>]> =
+                    (0..n).map(|r| Arc::new(Region::in_process(n, r))).collect();
+                (0..n).map(|r| Mailboxes::new(r, regions.clone())).collect()
+            }
+            Via::Channel => channel_tests::world(n, Duration::from_secs(5)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const F32: u32 = 7;
 
-    /// The mailboxes of `world` ranks in one process.
-    fn world(n: usize) -> Vec<Mailboxes> {
-        let regions: Arc<[Arc<Region>]> = (0..n).map(|r| Arc::new(Region::in_process(n, r))).collect();
-        (0..n).map(|r| Mailboxes::new(r, regions.clone())).collect()
+    /// The mailboxes of `n` ranks in one process, through `via`.
+    fn world(via: Via, n: usize) -> Vec<Mailboxes> {
+        via.world(n)
     }
 
     fn verify_pairs(pairs: &[PairOps<'_>]) -> Result<(), Failure> {
@@ -422,60 +449,63 @@ mod tests {
 
     #[test]
     fn collectives_agree_across_three_ranks_on_threads_and_refuse_a_difference() {
-        use wire::{CollKind, NONE};
-        let sum = CollDesc::f32_sum(1001);
-        let bcast = CollDesc {
-            kind: CollKind::Broadcast,
-            count: 5,
-            dtype: F32,
-            redop: NONE,
-            root: 2,
-            captured: false,
-            nccl_memory: 0,
-        };
-        // Mailboxes are not Sync (their counters are per communicator, used by its one
-        // thread): each rank's moves to its thread, and the three agree.
-        let spawn = |b: Mailboxes, ops: Vec<CollDesc>| {
-            std::thread::spawn(move || (verify(&[], &[coll(&b, &ops)]), b))
-        };
-        let mut ranks = world(3);
-        let c = ranks.pop().unwrap();
-        let b = ranks.pop().unwrap();
-        let a = ranks.pop().unwrap();
-        let hs = [
-            spawn(a, vec![sum, bcast]),
-            spawn(b, vec![sum, bcast]),
-            spawn(c, vec![sum, bcast]),
-        ];
-        let mut boxes = Vec::new();
-        for h in hs {
-            let (r, b) = h.join().unwrap();
-            r.unwrap();
-            boxes.push(b);
-        }
-        // Then rank 2 posts a broadcast from another root: every rank fails, naming both.
-        let other = CollDesc { root: 0, ..bcast };
-        let c = boxes.pop().unwrap();
-        let b = boxes.pop().unwrap();
-        let a = boxes.pop().unwrap();
-        let hs = [
-            spawn(a, vec![bcast]),
-            spawn(b, vec![bcast]),
-            spawn(c, vec![other]),
-        ];
-        for (r, h) in hs.into_iter().enumerate() {
-            match h.join().unwrap().0 {
-                Err(Failure::Mismatch(m)) => {
-                    assert!(m.contains("root 2") && m.contains("root 0"), "rank {r}: {m}")
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            use wire::{CollKind, NONE};
+            let sum = CollDesc::f32_sum(1001);
+            let bcast = CollDesc {
+                kind: CollKind::Broadcast,
+                count: 5,
+                dtype: F32,
+                redop: NONE,
+                root: 2,
+                captured: false,
+                nccl_memory: 0,
+            };
+            // Mailboxes are not Sync (their counters are per communicator, used by its one
+            // thread): each rank's moves to its thread, and the three agree.
+            let spawn = |b: Mailboxes, ops: Vec<CollDesc>| {
+                std::thread::spawn(move || (verify(&[], &[coll(&b, &ops)]), b))
+            };
+            let mut ranks = world(via, 3);
+            let c = ranks.pop().unwrap();
+            let b = ranks.pop().unwrap();
+            let a = ranks.pop().unwrap();
+            let hs = [
+                spawn(a, vec![sum, bcast]),
+                spawn(b, vec![sum, bcast]),
+                spawn(c, vec![sum, bcast]),
+            ];
+            let mut boxes = Vec::new();
+            for h in hs {
+                let (r, b) = h.join().unwrap();
+                r.unwrap();
+                boxes.push(b);
+            }
+            // Then rank 2 posts a broadcast from another root: every rank fails, naming both.
+            let other = CollDesc { root: 0, ..bcast };
+            let c = boxes.pop().unwrap();
+            let b = boxes.pop().unwrap();
+            let a = boxes.pop().unwrap();
+            let hs = [
+                spawn(a, vec![bcast]),
+                spawn(b, vec![bcast]),
+                spawn(c, vec![other]),
+            ];
+            for (r, h) in hs.into_iter().enumerate() {
+                match h.join().unwrap().0 {
+                    Err(Failure::Mismatch(m)) => {
+                        assert!(m.contains("root 2") && m.contains("root 0"), "rank {r}: {m}")
+                    }
+                    other => panic!("rank {r}: {other:?}"),
                 }
-                other => panic!("rank {r}: {other:?}"),
             }
         }
     }
 
     /// Rank 0's groups and rank 1's, each rank on its thread: each group's verification.
-    fn grouped(r0: Vec<Vec<CollDesc>>, r1: Vec<Vec<CollDesc>>) -> [Vec<Result<(), Failure>>; 2] {
-        let [a, b] = two();
+    fn grouped(via: Via, r0: Vec<Vec<CollDesc>>, r1: Vec<Vec<CollDesc>>) -> [Vec<Result<(), Failure>>; 2] {
+        let [a, b] = two(via);
         let run = |boxes: Mailboxes, groups: Vec<Vec<CollDesc>>| {
             std::thread::spawn(move || {
                 let mut out = Vec::new();
@@ -498,72 +528,84 @@ mod tests {
 
     #[test]
     fn differently_grouped_collectives_are_a_mismatch_on_both_ranks() {
-        // The review of 2026-12-03, finding 1 (its CPU reproduction): rank 0 groups all_reduce
-        // of 1 Mi with all_reduce of 16, which NCCL 2.28 runs small first; rank 1 posts them
-        // one group each, big first. Verification passed, and NCCL paired 16 with 1 Mi.
-        let (big, small) = (CollDesc::f32_sum(1 << 20), CollDesc::f32_sum(16));
-        let [r0, r1] = grouped(vec![vec![big, small]], vec![vec![big], vec![small]]);
-        eprintln!("rank 0 (one group): {r0:?}; rank 1 (two groups): {r1:?}");
-        for (rank, r) in [(0, &r0[0]), (1, &r1[0])] {
-            assert!(matches!(r, Err(Failure::Mismatch(_))), "rank {rank}: {r:?}");
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            // The review of 2026-12-03, finding 1 (its CPU reproduction): rank 0 groups all_reduce
+            // of 1 Mi with all_reduce of 16, which NCCL 2.28 runs small first; rank 1 posts them
+            // one group each, big first. Verification passed, and NCCL paired 16 with 1 Mi.
+            let (big, small) = (CollDesc::f32_sum(1 << 20), CollDesc::f32_sum(16));
+            let [r0, r1] = grouped(via, vec![vec![big, small]], vec![vec![big], vec![small]]);
+            eprintln!("rank 0 (one group): {r0:?}; rank 1 (two groups): {r1:?}");
+            for (rank, r) in [(0, &r0[0]), (1, &r1[0])] {
+                assert!(matches!(r, Err(Failure::Mismatch(_))), "rank {rank}: {r:?}");
+            }
         }
     }
 
     #[test]
     fn one_group_in_two_call_orders_passes() {
-        // Finding 4: NCCL runs both groups alike (16 first), so both ranks pass; an all_reduce
-        // of 4097 and one of 4096 fall in one bin of NCCL's sorter, which keeps their call
-        // order, so those two in opposite orders are a mismatch.
-        let (big, small) = (CollDesc::f32_sum(1 << 20), CollDesc::f32_sum(16));
-        let [r0, r1] = grouped(vec![vec![big, small]], vec![vec![small, big]]);
-        assert!(r0[0].is_ok() && r1[0].is_ok(), "{r0:?} {r1:?}");
-        let (a, b) = (CollDesc::f32_sum(4096), CollDesc::f32_sum(4097));
-        let [r0, r1] = grouped(vec![vec![a, b]], vec![vec![b, a]]);
-        assert!(
-            matches!(&r0[0], Err(Failure::Mismatch(_))) && matches!(&r1[0], Err(Failure::Mismatch(_))),
-            "{r0:?} {r1:?}"
-        );
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            // Finding 4: NCCL runs both groups alike (16 first), so both ranks pass; an all_reduce
+            // of 4097 and one of 4096 fall in one bin of NCCL's sorter, which keeps their call
+            // order, so those two in opposite orders are a mismatch.
+            let (big, small) = (CollDesc::f32_sum(1 << 20), CollDesc::f32_sum(16));
+            let [r0, r1] = grouped(via, vec![vec![big, small]], vec![vec![small, big]]);
+            assert!(r0[0].is_ok() && r1[0].is_ok(), "{r0:?} {r1:?}");
+            let (a, b) = (CollDesc::f32_sum(4096), CollDesc::f32_sum(4097));
+            let [r0, r1] = grouped(via, vec![vec![a, b]], vec![vec![b, a]]);
+            assert!(
+                matches!(&r0[0], Err(Failure::Mismatch(_))) && matches!(&r1[0], Err(Failure::Mismatch(_))),
+                "{r0:?} {r1:?}"
+            );
+        }
     }
 
     #[test]
     fn many_more_collectives_than_ring_slots() {
-        use wire::{CollKind, NONE};
-        let ops: Vec<CollDesc> = (1..=300)
-            .map(|n| CollDesc {
-                kind: CollKind::AllGather,
-                count: n,
-                dtype: F32,
-                redop: NONE,
-                root: NONE,
-                captured: false,
-                nccl_memory: 0,
-            })
-            .collect();
-        // One group of them on both ranks, then one group each.
-        let ranks = two().map(|boxes| {
-            let ops = ops.clone();
-            std::thread::spawn(move || {
-                verify(&[], &[coll(&boxes, &ops)])?;
-                ops.iter()
-                    .try_for_each(|o| verify(&[], &[coll(&boxes, std::slice::from_ref(o))]))
-            })
-        });
-        for r in ranks {
-            r.join().unwrap().unwrap();
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            use wire::{CollKind, NONE};
+            let ops: Vec<CollDesc> = (1..=300)
+                .map(|n| CollDesc {
+                    kind: CollKind::AllGather,
+                    count: n,
+                    dtype: F32,
+                    redop: NONE,
+                    root: NONE,
+                    captured: false,
+                    nccl_memory: 0,
+                })
+                .collect();
+            // One group of them on both ranks, then one group each.
+            let ranks = two(via).map(|boxes| {
+                let ops = ops.clone();
+                std::thread::spawn(move || {
+                    verify(&[], &[coll(&boxes, &ops)])?;
+                    ops.iter()
+                        .try_for_each(|o| verify(&[], &[coll(&boxes, std::slice::from_ref(o))]))
+                })
+            });
+            for r in ranks {
+                r.join().unwrap().unwrap();
+            }
         }
     }
 
     #[test]
     fn a_missing_collective_is_a_timeout() {
-        let d = CollDesc::f32_sum(4);
-        let w = world(2);
-        let mut c = coll(&w[0], &[d]);
-        c.timeout = Duration::from_millis(200);
-        assert!(matches!(verify(&[], &[c]), Err(Failure::Timeout { peer: 1, .. })));
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            let d = CollDesc::f32_sum(4);
+            let w = world(via, 2);
+            let mut c = coll(&w[0], &[d]);
+            c.timeout = Duration::from_millis(200);
+            assert!(matches!(verify(&[], &[c]), Err(Failure::Timeout { peer: 1, .. })));
+        }
     }
 
-    fn two() -> [Mailboxes; 2] {
-        let mut w = world(2);
+    fn two(via: Via) -> [Mailboxes; 2] {
+        let mut w = world(via, 2);
         let w1 = w.pop().unwrap();
         [w.pop().unwrap(), w1]
     }
@@ -580,75 +622,93 @@ mod tests {
 
     #[test]
     fn a_send_and_its_receive_in_one_group_pass() {
-        let w = world(2);
-        verify_pairs(&[pair(&w[0], 1, &[4], &[]), pair(&w[1], 0, &[], &[4])]).unwrap();
-        // And again: the counters moved on together.
-        verify_pairs(&[pair(&w[0], 1, &[8, 2], &[1]), pair(&w[1], 0, &[1], &[8, 2])]).unwrap();
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            let w = world(via, 2);
+            verify_pairs(&[pair(&w[0], 1, &[4], &[]), pair(&w[1], 0, &[], &[4])]).unwrap();
+            // And again: the counters moved on together.
+            verify_pairs(&[pair(&w[0], 1, &[8, 2], &[1]), pair(&w[1], 0, &[1], &[8, 2])]).unwrap();
+        }
     }
 
     #[test]
     fn the_measured_mismatch_is_refused_on_both_ranks() {
-        // Issue 9, hole 1: a send of n f32 matched with a receive of 3n/4, ranks on two threads.
-        let [w0, w1] = two();
-        let n = 4_194_304;
-        let sender = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[n], &[])]));
-        let receiver = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[3 * n / 4])]));
-        for (who, r) in [
-            ("sender", sender.join().unwrap()),
-            ("receiver", receiver.join().unwrap()),
-        ] {
-            assert!(
-                matches!(&r, Err(Failure::Mismatch(m)) if m.contains("4194304") && m.contains("3145728")),
-                "{who}: {r:?}"
-            );
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            // Issue 9, hole 1: a send of n f32 matched with a receive of 3n/4, ranks on two threads.
+            let [w0, w1] = two(via);
+            let n = 4_194_304;
+            let sender = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[n], &[])]));
+            let receiver = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[3 * n / 4])]));
+            for (who, r) in [
+                ("sender", sender.join().unwrap()),
+                ("receiver", receiver.join().unwrap()),
+            ] {
+                assert!(
+                    matches!(&r, Err(Failure::Mismatch(m)) if m.contains("4194304") && m.contains("3145728")),
+                    "{who}: {r:?}"
+                );
+            }
         }
     }
 
     #[test]
     fn ranks_in_threads_wait_for_each_other() {
-        let [w0, w1] = two();
-        let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[4], &[])]));
-        std::thread::sleep(Duration::from_millis(50));
-        let b = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[4])]));
-        a.join().unwrap().unwrap();
-        b.join().unwrap().unwrap();
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            let [w0, w1] = two(via);
+            let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[4], &[])]));
+            std::thread::sleep(Duration::from_millis(50));
+            let b = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[4])]));
+            a.join().unwrap().unwrap();
+            b.join().unwrap().unwrap();
+        }
     }
 
     #[test]
     fn a_peer_that_never_posts_is_a_timeout_within_the_bound() {
-        let w = world(2);
-        let mut p = pair(&w[0], 1, &[4], &[]);
-        p.timeout = Duration::from_millis(200);
-        let t = Instant::now();
-        let e = verify_pairs(&[p]).unwrap_err();
-        assert!(matches!(e, Failure::Timeout { peer: 1, .. }), "{e:?}");
-        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            let w = world(via, 2);
+            let mut p = pair(&w[0], 1, &[4], &[]);
+            p.timeout = Duration::from_millis(200);
+            let t = Instant::now();
+            let e = verify_pairs(&[p]).unwrap_err();
+            assert!(matches!(e, Failure::Timeout { peer: 1, .. }), "{e:?}");
+            assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        }
     }
 
     #[test]
     fn a_broken_peer_ends_the_wait_at_once() {
-        let w = world(2);
-        w[1].regions[1].set_broken();
-        let e = verify_pairs(&[pair(&w[0], 1, &[4], &[])]).unwrap_err();
-        assert_eq!(e, Failure::PeerBroken(1));
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            let w = world(via, 2);
+            w[1].regions[1].set_broken();
+            let e = verify_pairs(&[pair(&w[0], 1, &[4], &[])]).unwrap_err();
+            assert_eq!(e, Failure::PeerBroken(1));
+        }
     }
 
     #[test]
     fn many_more_operations_than_ring_slots_with_uneven_grouping() {
-        // One rank posts 1000 sends in one group; the other receives them one group at a time.
-        // Neither may overwrite a slot its peer has not checked, and neither deadlocks.
-        let [w0, w1] = two();
-        let counts: Vec<u64> = (1..=1000).collect();
-        let sent = counts.clone();
-        let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &sent, &[])]));
-        let b = std::thread::spawn(move || {
-            for &c in &counts {
-                verify_pairs(&[pair(&w1, 0, &[], &[c])])?;
-            }
-            Ok::<(), Failure>(())
-        });
-        a.join().unwrap().unwrap();
-        b.join().unwrap().unwrap();
+        for via in Via::BOTH {
+            eprintln!("through {via:?}");
+            // One rank posts 1000 sends in one group; the other receives them one group at a time.
+            // Neither may overwrite a slot its peer has not checked, and neither deadlocks.
+            let [w0, w1] = two(via);
+            let counts: Vec<u64> = (1..=1000).collect();
+            let sent = counts.clone();
+            let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &sent, &[])]));
+            let b = std::thread::spawn(move || {
+                for &c in &counts {
+                    verify_pairs(&[pair(&w1, 0, &[], &[c])])?;
+                }
+                Ok::<(), Failure>(())
+            });
+            a.join().unwrap().unwrap();
+            b.join().unwrap().unwrap();
+        }
     }
 
     #[test]
