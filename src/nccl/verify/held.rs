@@ -395,6 +395,22 @@ mod tests {
         );
     }
 
+    /// A peer verified through the channel is never held: its entries are read from a mirror,
+    /// which the Dekker argument does not cover ([`crate::nccl::verify::transport::Transport::holds`]).
+    /// The same connected send and receive may be held through shared memory.
+    #[test]
+    fn only_shared_memory_holds() {
+        use crate::nccl::verify::Via;
+        let t = Duration::from_secs(1);
+        for via in Via::BOTH {
+            let w = via.world(2);
+            let done = pair_of(&w[0], 1, &[8], &[8], t);
+            w[0].note_posted(std::slice::from_ref(&done), &[]);
+            let held = may_hold(&[pair_of(&w[0], 1, &[8], &[8], t)], &[]);
+            assert_eq!(held, via == Via::Memory, "{via:?}");
+        }
+    }
+
     // The review of held groups (2026-12-04): each failed before its fix.
     fn two_boxes() -> (Mailboxes, Mailboxes) {
         let regions: Arc<[Arc<Region>]> = (0..2).map(|r| Arc::new(Region::in_process(2, r))).collect();
