@@ -15,6 +15,11 @@
 //! the communicator's timeout. A mismatch is [`Error::Mismatch`] on both ranks (each compares
 //! the same two entries) before either calls NCCL.
 //!
+//! The rule (what may be published, what is compared with what, what fails) is [`rule`], a
+//! state machine that reads and writes entries through a [`transport::Transport`] and reads no
+//! clock; shared memory ([`mailbox::SharedMemory`]) and the channel ([`channel::Channelled`])
+//! are its two transports, and [`resume_with`] drives it over them.
+//!
 //! A rank's own sends to itself, and operations between ranks made together by
 //! [`Communicator::init_all`](crate::Communicator::init_all) (driven by one thread), must have
 //! their counterparts in the same group: they are matched within it ([`local`], verified or
