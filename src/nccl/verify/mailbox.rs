@@ -747,52 +747,65 @@ impl SharedMemory<'_> {
 }
 
 impl Transport for SharedMemory<'_> {
+    #[inline]
     fn publish(&self, peer: usize, dir: Dir, index: u64, op: OpDesc) {
         self.mine().publish(peer, dir, index, op);
     }
 
+    #[inline]
     fn read(&self, peer: usize, dir: Dir, index: u64) -> Option<OpDesc> {
         self.regions[peer].read(self.rank, dir, index)
     }
 
+    #[inline]
     fn checked(&self, peer: usize, dir: Dir) -> u64 {
         self.regions[peer].checked(self.rank, dir)
     }
 
+    #[inline]
     fn mark_checked(&self, peer: usize, dir: Dir, n: u64) {
         self.mine().set_checked(peer, dir, n);
     }
 
+    #[inline]
     fn publish_coll(&self, index: u64, entry: CollEntry) {
         self.mine().publish_coll(index, entry);
     }
 
+    #[inline]
     fn read_coll(&self, peer: usize, index: u64) -> Option<Option<CollEntry>> {
         self.regions[peer].read_coll(index)
     }
 
+    #[inline]
     fn coll_checked(&self, peer: usize) -> u64 {
         self.regions[peer].coll_checked(self.rank)
     }
 
+    #[inline]
     fn mark_coll_checked(&self, peer: usize, n: u64) {
         self.mine().set_coll_checked(peer, n);
     }
 
+    #[inline]
     fn broken(&self, peer: usize) -> bool {
         self.regions[peer].status() == BROKEN
     }
 
+    #[inline]
     fn pump(&mut self) -> bool {
         false
     }
 
+    #[inline]
     fn flush(&mut self) {}
 
+    #[inline]
     fn wait(&mut self, looks: u32, timeout: Duration) {
         wait_in_memory(looks, timeout);
     }
 
+    #[inline]
     fn holds(&self) -> bool {
         true
     }

@@ -156,54 +156,67 @@ macro_rules! either {
 }
 
 impl Transport for Route<'_> {
+    #[inline]
     fn publish(&self, peer: usize, dir: Dir, index: u64, op: OpDesc) {
         either!(self, t => t.publish(peer, dir, index, op))
     }
 
+    #[inline]
     fn read(&self, peer: usize, dir: Dir, index: u64) -> Option<OpDesc> {
         either!(self, t => t.read(peer, dir, index))
     }
 
+    #[inline]
     fn checked(&self, peer: usize, dir: Dir) -> u64 {
         either!(self, t => t.checked(peer, dir))
     }
 
+    #[inline]
     fn mark_checked(&self, peer: usize, dir: Dir, n: u64) {
         either!(self, t => t.mark_checked(peer, dir, n))
     }
 
+    #[inline]
     fn publish_coll(&self, index: u64, entry: CollEntry) {
         either!(self, t => t.publish_coll(index, entry))
     }
 
+    #[inline]
     fn read_coll(&self, peer: usize, index: u64) -> Option<Option<CollEntry>> {
         either!(self, t => t.read_coll(peer, index))
     }
 
+    #[inline]
     fn coll_checked(&self, peer: usize) -> u64 {
         either!(self, t => t.coll_checked(peer))
     }
 
+    #[inline]
     fn mark_coll_checked(&self, peer: usize, n: u64) {
         either!(self, t => t.mark_coll_checked(peer, n))
     }
 
+    #[inline]
     fn broken(&self, peer: usize) -> bool {
         either!(self, t => t.broken(peer))
     }
 
+    #[inline]
     fn pump(&mut self) -> bool {
         either!(self, t => t.pump())
     }
 
+    #[inline]
     fn flush(&mut self) {
         either!(self, t => t.flush())
     }
 
+    #[inline]
     fn wait(&mut self, looks: u32, timeout: Duration) {
         either!(self, t => t.wait(looks, timeout))
     }
 
+    #[inline]
     fn holds(&self) -> bool {
         either!(self, t => t.holds())
     }
