@@ -46,8 +46,11 @@ use std::time::{Duration, Instant};
 
 use crate::nccl::bootstrap::noise::TAG;
 use crate::nccl::verify::auth::Keys;
-use crate::nccl::verify::mailbox::{Note, RING, Region, Relay};
-use crate::nccl::verify::wire::Dir;
+use smallvec::SmallVec;
+
+use crate::nccl::verify::mailbox::{Note, RING, Region, Relay, SharedMemory};
+use crate::nccl::verify::transport::{Transport, wait_in_memory};
+use crate::nccl::verify::wire::{CollEntry, Dir, OpDesc};
 
 const FRAME_WORDS: usize = 5;
 const FRAME_BYTES: usize = FRAME_WORDS * 8;
@@ -626,19 +629,6 @@ impl Channel {
         self.peer(peer).is_some()
     }
 
-    /// How many peers this channel reaches.
-    pub(crate) fn remote_count(&self) -> usize {
-        self.peers.iter().flatten().count()
-    }
-
-    /// The peers this channel reaches.
-    pub(crate) fn remote(&self) -> impl Iterator<Item = usize> + '_ {
-        self.peers
-            .iter()
-            .enumerate()
-            .filter_map(|(r, p)| p.as_ref().map(|_| r))
-    }
-
     /// Sends `note` to `peer`, if remote (or holds it while `peer` is corked). An entry or
     /// counter waits (bounded by the timeout) for room in a full socket; a heartbeat or a
     /// broken note never waits.
@@ -903,6 +893,128 @@ fn receive(link: &Link<'_>, me: usize, stop: &AtomicBool) {
         }
     }
     mirror.set_broken();
+}
+
+/// The channel as a transport: for the peers it reaches, their mirrors read and its own
+/// region's writes forwarded (see the module's documentation), so its entries are the
+/// mailbox's ([`SharedMemory`]); what it adds is how they move. While it lives, what this rank
+/// tells these peers is corked, and goes out at [`Transport::flush`] and when it is dropped (on
+/// every path: a mismatch reaches the peer too); [`Transport::pump`] reads their sockets.
+pub(crate) struct Channelled<'a> {
+    memory: SharedMemory<'a>,
+    channel: &'a Channel,
+    /// The peers of the verification that the channel reaches.
+    remote: SmallVec<[usize; 4]>,
+    /// Each remote peer's [`Channel::mark`] when this verification last looked.
+    seen: SmallVec<[u64; 4]>,
+    /// Every peer the verification may wait on is remote: their sockets say when to look.
+    all_remote: bool,
+}
+
+impl<'a> Channelled<'a> {
+    /// The transport to `peers` (each once), of which those `channel` reaches are remote.
+    pub(crate) fn new(memory: SharedMemory<'a>, channel: &'a Channel, peers: &[usize]) -> Channelled<'a> {
+        let remote: SmallVec<[usize; 4]> = peers.iter().copied().filter(|&p| channel.reaches(p)).collect();
+        for &r in &remote {
+            channel.cork(r);
+        }
+        let seen = remote.iter().map(|&r| channel.mark(r)).collect();
+        Channelled {
+            memory,
+            channel,
+            all_remote: remote.len() == peers.len(),
+            remote,
+            seen,
+        }
+    }
+}
+
+impl Drop for Channelled<'_> {
+    fn drop(&mut self) {
+        for &r in &self.remote {
+            self.channel.uncork(r);
+        }
+    }
+}
+
+/// How many times a verification waiting only for remote peers looks before it sleeps on
+/// their sockets: each look reads them (a system call), so this is some 100 µs, more than a
+/// frame takes over a loopback or a LAN; spinning longer starves ranks that share the cores.
+const REMOTE_SPINS: u32 = 200;
+
+impl Transport for Channelled<'_> {
+    fn publish(&self, peer: usize, dir: Dir, index: u64, op: OpDesc) {
+        self.memory.publish(peer, dir, index, op);
+    }
+
+    fn read(&self, peer: usize, dir: Dir, index: u64) -> Option<OpDesc> {
+        self.memory.read(peer, dir, index)
+    }
+
+    fn checked(&self, peer: usize, dir: Dir) -> u64 {
+        self.memory.checked(peer, dir)
+    }
+
+    fn mark_checked(&self, peer: usize, dir: Dir, n: u64) {
+        self.memory.mark_checked(peer, dir, n);
+    }
+
+    fn publish_coll(&self, index: u64, entry: CollEntry) {
+        self.memory.publish_coll(index, entry);
+    }
+
+    fn read_coll(&self, peer: usize, index: u64) -> Option<Option<CollEntry>> {
+        self.memory.read_coll(peer, index)
+    }
+
+    fn coll_checked(&self, peer: usize) -> u64 {
+        self.memory.coll_checked(peer)
+    }
+
+    fn mark_coll_checked(&self, peer: usize, n: u64) {
+        self.memory.mark_coll_checked(peer, n);
+    }
+
+    fn broken(&self, peer: usize) -> bool {
+        self.memory.broken(peer)
+    }
+
+    fn pump(&mut self) -> bool {
+        if self.remote.len() > 2 {
+            // Many peers (a collective's): ask which sockets have something first.
+            return self
+                .channel
+                .pump_ready(self.remote.iter().copied(), &mut self.seen);
+        }
+        let mut any = false;
+        for (&r, seen) in self.remote.iter().zip(&mut self.seen) {
+            any |= self.channel.pump(r, seen);
+        }
+        any
+    }
+
+    fn flush(&mut self) {
+        for &r in &self.remote {
+            self.channel.flush(r);
+        }
+    }
+
+    fn wait(&mut self, looks: u32, timeout: Duration) {
+        if !self.all_remote || self.remote.is_empty() {
+            // A peer in shared memory may write at any moment: no socket says when.
+            wait_in_memory(looks, timeout);
+        } else if looks < REMOTE_SPINS {
+            std::hint::spin_loop();
+        } else {
+            self.channel.wait(self.remote.iter().copied(), timeout);
+        }
+    }
+
+    fn holds(&self) -> bool {
+        // A mirror is not read at the same time as the peer writes its region: two ranks could
+        // both miss each other's entry.
+        self.remote.is_empty()
+    }
 }
 
 /// One record of `frames` sealed by `key` as its sequence number `seq`, as a peer sends it.

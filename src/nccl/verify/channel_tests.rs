@@ -76,7 +76,7 @@ fn two(secret: Option<&'static [u8]>, timeout: Duration) -> [Mailboxes; 2] {
 }
 
 /// `n` ranks of this process, every pair joined by the channel (no mailbox files).
-fn world(n: usize, timeout: Duration) -> Vec<Mailboxes> {
+pub(super) fn world(n: usize, timeout: Duration) -> Vec<Mailboxes> {
     let token = |r: usize| T0 ^ ((r as u128 + 1) * 0x0101_0101);
     let mut connections: Vec<Vec<Connection>> = (0..n).map(|_| Vec::new()).collect();
     for server in 0..n {
@@ -90,11 +90,12 @@ fn world(n: usize, timeout: Duration) -> Vec<Mailboxes> {
                 server_token: token(server),
                 client_token: token(client),
             };
-            let c = std::thread::spawn(move || auth::connect(addr, pair, None, deadline(2_000)).unwrap());
+            // A loaded machine (the model's tests make many worlds at once) may take seconds.
+            let c = std::thread::spawn(move || auth::connect(addr, pair, None, deadline(20_000)).unwrap());
             let (s, _) = l.accept().unwrap();
             let token_of = |c: usize| (c == client).then_some(token(client));
             let (_, stream, keys) =
-                auth::serve(s, server, n, token(server), &token_of, None, deadline(2_000)).unwrap();
+                auth::serve(s, server, n, token(server), &token_of, None, deadline(20_000)).unwrap();
             connections[server].push(Connection {
                 rank: client,
                 stream,

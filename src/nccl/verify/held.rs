@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
-use super::wire::{CollDesc, Dir, OpDesc, compare, compare_coll};
-use super::{CollOps, Failure, Mailboxes, PairOps, Progress, Wait, channel, resume_with};
+use super::wire::{CollDesc, Dir, OpDesc};
+use super::{CollOps, Failure, Mailboxes, PairOps, Progress, Routes, Wait, resume_with};
 
 /// One peer's part of a held group: the peer, the sends and the receives.
 type HeldPair = (usize, SmallVec<[OpDesc; 4]>, SmallVec<[OpDesc; 4]>);
@@ -130,11 +130,7 @@ pub(crate) fn may_hold(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> bool {
     };
     let one = pairs.iter().all(|p| std::ptr::eq(p.boxes, boxes))
         && colls.iter().all(|c| std::ptr::eq(c.boxes, boxes));
-    // A peer reached through the channel is read from a mirror.
-    let channel = channel::of(boxes.mine());
-    let remote = pairs.iter().any(|p| channel.is_some_and(|c| c.reaches(p.peer)))
-        || (!colls.is_empty() && channel.is_some_and(|c| c.remote_count() > 0));
-    if !one || remote {
+    if !one || !Routes::new(pairs, colls).hold() {
         return false;
     }
     let plain = |d: &OpDesc| !d.captured && d.nccl_memory == 0;
@@ -171,8 +167,7 @@ pub(crate) fn verify_or_hold(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Re
     let boxes = pairs.first().map(|p| p.boxes).or(colls.first().map(|c| c.boxes));
     let behind = boxes.is_some_and(|b| !b.held.borrow().is_empty());
     let mut progress = Progress::new(pairs, colls);
-    if !resume_with(pairs, colls, &mut progress, Wait::PublishOnly)?
-        && !super::all_published(pairs, &progress.done, colls, &progress.coll_done)
+    if !resume_with(pairs, colls, &mut progress, Wait::PublishOnly)? && !progress.all_published(pairs, colls)
     {
         return Ok(Verdict::NoRoom(Box::new(progress)));
     }
@@ -182,35 +177,7 @@ pub(crate) fn verify_or_hold(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Re
         progress.started.get_or_insert_with(Instant::now);
         return Ok(Verdict::Hold(Box::new(progress)));
     }
-    let mut all = true;
-    for (p, d) in pairs.iter().zip(&progress.done) {
-        let me = p.boxes.rank;
-        let theirs = &p.boxes.regions[p.peer];
-        for (dir, ops, side) in [(Dir::Send, &p.sends, 0), (Dir::Recv, &p.recvs, 1)] {
-            let counterpart = if dir == Dir::Send { Dir::Recv } else { Dir::Send };
-            for (j, op) in ops.iter().enumerate() {
-                let index = d.at[side] + j as u64;
-                match theirs.read(me, counterpart, index) {
-                    Some(other) => compare(me, p.peer, dir, index, *op, other).map_err(Failure::Mismatch)?,
-                    None => all = false,
-                }
-            }
-        }
-    }
-    for (c, d) in colls.iter().zip(&progress.coll_done) {
-        let me = c.boxes.rank;
-        for (p, region) in c.boxes.regions.iter().enumerate().filter(|&(p, _)| p != me) {
-            for i in 0..d.ops.len() {
-                let index = d.at + i as u64;
-                match region.read_coll(index) {
-                    Some(theirs) => {
-                        compare_coll(me, p, index, d.entry(i), theirs).map_err(Failure::Mismatch)?
-                    }
-                    None => all = false,
-                }
-            }
-        }
-    }
+    let all = progress.peek(pairs, colls, &Routes::new(pairs, colls))?;
     if all && !behind {
         // Every counterpart is there: check them in order now, as `verify` would.
         resume_with(pairs, colls, &mut progress, Wait::Block)?;
@@ -426,6 +393,22 @@ mod tests {
             !may_hold(&[pair_of(&b, 1, &[], &[8], t)], &[]),
             "B's receive was held"
         );
+    }
+
+    /// A peer verified through the channel is never held: its entries are read from a mirror,
+    /// which the Dekker argument does not cover ([`crate::nccl::verify::transport::Transport::holds`]).
+    /// The same connected send and receive may be held through shared memory.
+    #[test]
+    fn only_shared_memory_holds() {
+        use crate::nccl::verify::Via;
+        let t = Duration::from_secs(1);
+        for via in Via::BOTH {
+            let w = via.world(2);
+            let done = pair_of(&w[0], 1, &[8], &[8], t);
+            w[0].note_posted(std::slice::from_ref(&done), &[]);
+            let held = may_hold(&[pair_of(&w[0], 1, &[8], &[8], t)], &[]);
+            assert_eq!(held, via == Via::Memory, "{via:?}");
+        }
     }
 
     // The review of held groups (2026-12-04): each failed before its fix.

@@ -26,8 +26,11 @@
 use std::fs::Metadata;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
+use crate::nccl::verify::transport::{Transport, wait_in_memory};
 use crate::nccl::verify::wire::{CollEntry, Dir, OpDesc};
 
 /// Entries per ring: how far a rank may publish ahead of its peer's checks, and so how many
@@ -724,6 +727,87 @@ impl Region {
     /// The word counting `peer`'s collectives the owner checked.
     pub(super) fn coll_checked_at(&self, peer: usize) -> usize {
         self.coll_checked_word(peer)
+    }
+}
+
+/// The mailbox as a transport: every peer's region mapped (or in this process), read and
+/// written in place. Nothing to pump or flush; holding works (see [`Transport::holds`]).
+#[derive(Clone, Copy)]
+pub(crate) struct SharedMemory<'a> {
+    /// This rank.
+    pub(crate) rank: usize,
+    /// Every rank's region, this rank's own at `rank`.
+    pub(crate) regions: &'a [Arc<Region>],
+}
+
+impl SharedMemory<'_> {
+    fn mine(&self) -> &Region {
+        &self.regions[self.rank]
+    }
+}
+
+impl Transport for SharedMemory<'_> {
+    #[inline]
+    fn publish(&self, peer: usize, dir: Dir, index: u64, op: OpDesc) {
+        self.mine().publish(peer, dir, index, op);
+    }
+
+    #[inline]
+    fn read(&self, peer: usize, dir: Dir, index: u64) -> Option<OpDesc> {
+        self.regions[peer].read(self.rank, dir, index)
+    }
+
+    #[inline]
+    fn checked(&self, peer: usize, dir: Dir) -> u64 {
+        self.regions[peer].checked(self.rank, dir)
+    }
+
+    #[inline]
+    fn mark_checked(&self, peer: usize, dir: Dir, n: u64) {
+        self.mine().set_checked(peer, dir, n);
+    }
+
+    #[inline]
+    fn publish_coll(&self, index: u64, entry: CollEntry) {
+        self.mine().publish_coll(index, entry);
+    }
+
+    #[inline]
+    fn read_coll(&self, peer: usize, index: u64) -> Option<Option<CollEntry>> {
+        self.regions[peer].read_coll(index)
+    }
+
+    #[inline]
+    fn coll_checked(&self, peer: usize) -> u64 {
+        self.regions[peer].coll_checked(self.rank)
+    }
+
+    #[inline]
+    fn mark_coll_checked(&self, peer: usize, n: u64) {
+        self.mine().set_coll_checked(peer, n);
+    }
+
+    #[inline]
+    fn broken(&self, peer: usize) -> bool {
+        self.regions[peer].status() == BROKEN
+    }
+
+    #[inline]
+    fn pump(&mut self) -> bool {
+        false
+    }
+
+    #[inline]
+    fn flush(&mut self) {}
+
+    #[inline]
+    fn wait(&mut self, looks: u32, timeout: Duration) {
+        wait_in_memory(looks, timeout);
+    }
+
+    #[inline]
+    fn holds(&self) -> bool {
+        true
     }
 }
 

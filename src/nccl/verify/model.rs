@@ -198,14 +198,12 @@ mod tests {
 /// every rank's collectives, group by group, in the same order.
 #[cfg(test)]
 mod oracle {
-    use std::sync::Arc;
     use std::time::Duration;
 
     use super::*;
     use crate::nccl::verify::local::{self, TestRank as Rank};
-    use crate::nccl::verify::mailbox::Region;
     use crate::nccl::verify::wire::{NONE, P2P};
-    use crate::nccl::verify::{CollOps, Failure, Mailboxes, PairOps, Progress, resume};
+    use crate::nccl::verify::{CollOps, Failure, Mailboxes, PairOps, Progress, Via, resume};
 
     const F32: u32 = 7;
     const SUM: u32 = 0;
@@ -538,6 +536,13 @@ mod oracle {
     /// wait (a timeout of zero), then the next rank's; when none moves, the rest would wait
     /// forever.
     fn verified(programs: &[Program]) -> bool {
+        verified_via(programs, Via::Memory)
+    }
+
+    /// [`verified`] with the ranks reaching each other `via` a transport: through the
+    /// channel, a round in which no rank moved is taken as the end only once a few more, a
+    /// while apart, found nothing arriving either.
+    fn verified_via(programs: &[Program], via: Via) -> bool {
         let world = programs.len();
         for (rank, program) in programs.iter().enumerate() {
             let me = Rank {
@@ -555,10 +560,7 @@ mod oracle {
                 }
             }
         }
-        let regions: Arc<[Arc<Region>]> = (0..world)
-            .map(|r| Arc::new(Region::in_process(world, r)))
-            .collect();
-        let boxes: Vec<Mailboxes> = (0..world).map(|r| Mailboxes::new(r, regions.clone())).collect();
+        let boxes: Vec<Mailboxes> = via.world(world);
         // Per rank, per group: what group.rs hands verification.
         type Ops<'a> = (Vec<PairOps<'a>>, Vec<CollOps<'a>>);
         let ops: Vec<Vec<Ops<'_>>> = programs
@@ -613,7 +615,8 @@ mod oracle {
             .collect();
         let mut at = vec![0; world];
         let mut progress: Vec<Option<Progress>> = (0..world).map(|_| None).collect();
-        loop {
+        let mut idle = 0;
+        let verdict = 'run: loop {
             let mut moved = false;
             for rank in 0..world {
                 let Some((pairs, colls)) = ops[rank].get(at[rank]) else {
@@ -628,23 +631,43 @@ mod oracle {
                         moved = true;
                     }
                     Err(Failure::Timeout { .. }) => moved |= *p != before,
-                    Err(_) => return false,
+                    Err(_) => break 'run false,
                 }
             }
             if (0..world).all(|r| at[r] == ops[r].len()) {
-                return true;
+                break true;
             }
-            if !moved {
-                return false;
+            idle = if moved { 0 } else { idle + 1 };
+            match via {
+                _ if idle == 0 => {}
+                Via::Channel if idle < 4 => std::thread::sleep(Duration::from_millis(2)),
+                _ => break false,
             }
+        };
+        drop(ops);
+        // A channel's end waits for its peer's: every rank's at once.
+        for b in boxes {
+            std::thread::spawn(move || drop(b));
         }
+        verdict
     }
 
-    /// Both ways of matching, the local match and the mailboxes', hold to what NCCL pairs.
-    fn check(programs: &[Program]) {
+    /// Both ways of matching, the local match and the mailboxes', hold to what NCCL pairs;
+    /// with `channel`, verification through the channel too.
+    fn check(programs: &[Program], channel: bool) {
         let e = exact(programs);
         let local = matched_locally(programs).map(|v| ("the local match", v));
-        for (how, v) in local.into_iter().chain([("verification", verified(programs))]) {
+        let through = channel.then(|| {
+            (
+                "verification through the channel",
+                verified_via(programs, Via::Channel),
+            )
+        });
+        for (how, v) in local
+            .into_iter()
+            .chain([("verification", verified(programs))])
+            .chain(through)
+        {
             assert_eq!(
                 v,
                 e,
@@ -654,6 +677,10 @@ mod oracle {
             );
         }
     }
+
+    /// How many cases of an exhaustive enumeration run through shared memory for each that
+    /// also runs through the channel (each through it sets up TCP connections).
+    const CHANNEL_EVERY: usize = 997;
 
     fn alphabet(world: usize) -> Vec<UserCall> {
         let mut a = Vec::new();
@@ -719,13 +746,14 @@ mod oracle {
         out
     }
 
-    /// Checks every pair of `programs` on two ranks: (cases, overrunning, passing).
-    fn every_pair(programs: &[Program]) -> (usize, usize, usize) {
-        let (mut cases, mut overrunning, mut passing) = (0, 0, 0);
+    /// Checks every pair of `programs` on two ranks, every `channel`-th also through the
+    /// channel: (cases, overrunning, passing).
+    fn every_pair(programs: &[Program], channel: usize) -> (usize, usize, usize) {
+        let (mut cases, mut overrunning, mut passing) = (0usize, 0, 0);
         for p0 in programs {
             for p1 in programs {
                 let both = [p0.clone(), p1.clone()];
-                check(&both);
+                check(&both, cases.is_multiple_of(channel));
                 cases += 1;
                 overrunning += usize::from(overruns(&both));
                 passing += usize::from(exact(&both));
@@ -737,24 +765,27 @@ mod oracle {
     #[test]
     fn every_two_rank_program_of_two_calls_per_rank_is_verified_exactly_as_nccl_pairs_it() {
         let programs = programs(&alphabet(2), 2);
-        let (cases, overrunning, passing) = every_pair(&programs);
+        let (cases, overrunning, passing) = every_pair(&programs, CHANNEL_EVERY);
         // The programs on which NCCL would write past a receive are among those checked.
         assert!(overrunning > 0);
         println!(
             "{cases} two-rank programs of up to two calls per rank, groups included ({} per \
-             rank), {passing} run as meant by NCCL, {overrunning} overrunning a receive in NCCL",
-            programs.len()
+             rank), {passing} run as meant by NCCL, {overrunning} overrunning a receive in NCCL; \
+             {} through the channel too",
+            programs.len(),
+            cases.div_ceil(CHANNEL_EVERY)
         );
     }
 
     #[test]
     fn every_two_rank_program_of_three_collectives_per_rank_is_verified_exactly_as_nccl_runs_it() {
         let programs = programs(&kernel_collectives(), 3);
-        let (cases, _, passing) = every_pair(&programs);
+        let (cases, _, passing) = every_pair(&programs, CHANNEL_EVERY);
         println!(
             "{cases} two-rank programs of up to three collectives per rank, groups included ({} \
-             per rank), {passing} run as meant by NCCL",
-            programs.len()
+             per rank), {passing} run as meant by NCCL; {} through the channel too",
+            programs.len(),
+            cases.div_ceil(CHANNEL_EVERY)
         );
         assert!(passing > programs.len(), "some pass in another call order");
     }
@@ -790,13 +821,18 @@ mod oracle {
             cases,
             ..Config::default()
         });
+        let ran = std::cell::Cell::new(0usize);
         runner
             .run(&[program.clone(), program.clone(), program], |p| {
-                check(&p);
+                check(&p, ran.get().is_multiple_of(30));
+                ran.set(ran.get() + 1);
                 Ok(())
             })
             .unwrap();
-        println!("{cases} random three-rank programs, groups included");
+        println!(
+            "{cases} random three-rank programs, groups included; {} through the channel too",
+            ran.get().div_ceil(30)
+        );
     }
 
     #[test]
@@ -815,7 +851,9 @@ mod oracle {
             ]],
         ];
         assert!(overruns(&programs));
-        assert!(!verified(&programs));
+        for via in Via::BOTH {
+            assert!(!verified_via(&programs, via), "{via:?}");
+        }
         // The review of 2026-12-03, finding 1: all_reduce of 1 Mi and of 16 in one group on
         // rank 0, one group each on rank 1; NCCL runs rank 0's small one first.
         let big = UserCall::AllReduce {
@@ -828,6 +866,9 @@ mod oracle {
         assert!(!exact(&programs) && !verified(&programs));
         // Finding 4: one group in two call orders runs alike.
         let programs = [vec![vec![big, small]], vec![vec![small, big]]];
-        assert!(exact(&programs) && verified(&programs));
+        assert!(exact(&programs));
+        for via in Via::BOTH {
+            assert!(verified_via(&programs, via), "{via:?}");
+        }
     }
 }

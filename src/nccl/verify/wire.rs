@@ -135,6 +135,16 @@ pub(crate) enum Dir {
     Recv,
 }
 
+impl Dir {
+    /// The direction the peer's side of an operation in this direction has.
+    pub(crate) fn counterpart(self) -> Dir {
+        match self {
+            Dir::Send => Dir::Recv,
+            Dir::Recv => Dir::Send,
+        }
+    }
+}
+
 /// Compares this rank's operation number `index` (0-based, in the order issued) with the peer's
 /// counterpart; `Err` names both sides. Both ranks compare the same two entries, so both reach
 /// the same verdict.
