@@ -459,8 +459,10 @@ impl<T> CudarcMemoryMut<T> for CudaViewMut<'_, T> {}
 /// and [`CudarcView::kernel_arg`] passes it to a kernel.
 ///
 /// Only on the cudarc stream the lend is across: handoff cannot order cudarc work on another
-/// stream (nor know whether someone is capturing it into a graph), so `device_ptr` with any
-/// other stream panics, before cudarc queues anything.
+/// stream (nor know whether someone is capturing it into a graph), so `device_ptr` for any
+/// other stream panics, before cudarc queues anything; so does a copy to another context
+/// (`memcpy_dtod` or `clone_dtod` on a stream of another device), which cudarc queues on the
+/// destination's stream.
 pub struct CudarcView<'v, T> {
     ptr: CUdeviceptr,
     len: usize,
@@ -478,12 +480,24 @@ pub struct CudarcViewMut<'v, T> {
     _marker: PhantomData<&'v mut [T]>,
 }
 
-/// Panics unless `used` is the stream a view is lent across (see [`CudarcView`]).
+/// Panics unless the work a view's pointer is taken for goes on `lent`, the stream it is lent
+/// across (see [`CudarcView`]): `used` must be that stream, and the current context its own.
+/// cudarc queues work on a stream other than the one it gives `device_ptr` in one place: a copy
+/// from another context's memory (`memcpy_dtod` between contexts, a peer copy) takes the
+/// source's pointer for its own stream but queues the copy on the destination's, with the
+/// destination's context current; that context is how it is told apart.
 fn check_lent_on(lent: &CudaStream, used: &CudaStream) {
     assert!(
         std::ptr::eq(lent.cu_stream(), used.cu_stream()),
         "a handoff buffer lent to cudarc was used on another cudarc stream than the one it is \
          lent across, where handoff cannot order the work: queue it on that stream"
+    );
+    let current = cudarc::driver::result::ctx::get_current();
+    assert!(
+        matches!(current, Ok(None)) || matches!(current, Ok(Some(c)) if c == lent.context().cu_ctx()),
+        "a handoff buffer lent to cudarc was used with another CUDA context current (a copy \
+         between contexts queues on the other context's stream), where handoff cannot order the \
+         work: copy within the lend's context, on the stream it is lent across"
     );
 }
 

@@ -83,6 +83,11 @@ fn main() {
             lent_view_on_another_stream,
         ),
         g.trial(
+            "a_lent_view_panics_in_a_copy_to_another_context",
+            2,
+            lent_view_in_a_peer_copy,
+        ),
+        g.trial(
             "lends_and_borrows_need_a_wrapped_stream_and_tracked_memory",
             1,
             lend_and_borrow_requirements,
@@ -283,6 +288,29 @@ fn lent_view_on_another_stream() -> Result<(), Failed> {
     x.fill(4.0, &h)?;
     handoff::Graph::capture(&s, |_| Ok(()))?;
     assert_all_eq("x", &x.to_vec(&h)?, |_| 4.0)
+}
+
+/// cudarc's copy between contexts takes the source's pointer for the source's stream but queues
+/// the copy on the destination's (GPU 1's): a lent view as that source panics before cudarc
+/// queues anything, and the lend still ends.
+fn lent_view_in_a_peer_copy() -> Result<(), Failed> {
+    let (dev, _ctx, ca, _cb) = cudarc_streams()?;
+    let other = CudaContext::new(1)?.new_stream()?;
+    let s = wrap(&ca, &dev)?;
+    let h = Stream::new(&dev)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &h)?;
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        s.lend_to_cudarc(&x, |v| other.clone_dtod(v).map(|c| c.len()))
+    }));
+    match caught {
+        Err(p) => println!(
+            "panicked: {}",
+            p.downcast_ref::<String>().map_or("?", |m| m.as_str())
+        ),
+        Ok(r) => return Err(format!("a lent view copied to GPU 1 gave {r:?}").into()),
+    }
+    x.fill(5.0, &h)?;
+    assert_all_eq("x", &x.to_vec(&h)?, |_| 5.0)
 }
 
 /// A lend or a borrow on a Stream that wraps no cudarc stream is refused; so is a borrow of a
