@@ -277,9 +277,10 @@ impl Stream {
     /// cudarc keeps one read event per slice: a cudarc read on another stream recorded after
     /// this one replaces it, and a later cudarc write then waits for that read only (cudarc's
     /// rule for its own reads as well). Borrow with [`Stream::borrow_from_cudarc_mut`] to have
-    /// handoff's reads recorded in the write event instead. If the context tracks no events
-    /// (cudarc's `disable_event_tracking`), the memory must belong to the stream this `Stream`
-    /// wraps, which then orders everything. A report of an NCCL receive cut short does not
+    /// handoff's reads recorded in the write event instead. If cudarc tracks no events for it
+    /// (cudarc's `disable_event_tracking`, in the memory's context object or the wrapped
+    /// stream's), the memory must belong to the stream this `Stream` wraps, which then orders
+    /// everything, cudarc's free included. A report of an NCCL receive cut short does not
     /// follow the memory back to cudarc.
     ///
     /// # Errors
@@ -293,8 +294,7 @@ impl Stream {
         memory: &M,
         f: impl FnOnce(View<'_, T>) -> R,
     ) -> Result<R> {
-        let len = self.check_borrow::<T>(memory.stream(), memory.len())?;
-        let cs = self.cudarc_stream()?;
+        let (len, cs) = self.check_borrow::<T>(memory.stream(), memory.len())?;
         let held_off = self.hold_off_captures()?;
         let tracked = Tracked::new(self.device());
         // Waits for cudarc's write event here; what cudarc records at the end is its read.
@@ -323,9 +323,8 @@ impl Stream {
         memory: &mut M,
         f: impl FnOnce(ViewMut<'_, T>) -> R,
     ) -> Result<R> {
-        let len = self.check_borrow::<T>(memory.stream(), memory.len())?;
+        let (len, cs) = self.check_borrow::<T>(memory.stream(), memory.len())?;
         let ctx = memory.stream().context().clone();
-        let cs = self.cudarc_stream()?;
         let held_off = self.hold_off_captures()?;
         let tracked = Tracked::new(self.device());
         // Waits for cudarc's read and write events here; what cudarc records at the end is its
@@ -341,22 +340,29 @@ impl Stream {
         Ok(out)
     }
 
-    /// The checks of a borrow of `len` elements of `T` of cudarc memory of `owner`'s: its
-    /// context is this stream's device's primary one; its size fits; without cudarc's event
-    /// tracking, it belongs to the stream this one wraps.
-    fn check_borrow<T>(&self, owner: &Arc<CudaStream>, len: usize) -> Result<usize> {
+    /// The checks of a borrow of `len` elements of `T` of cudarc memory of `owner`'s, and the
+    /// cudarc stream this one wraps: the memory's context is this stream's device's primary
+    /// one; its size fits; unless cudarc tracks it with events, it belongs to the stream this
+    /// one wraps.
+    fn check_borrow<T>(&self, owner: &Arc<CudaStream>, len: usize) -> Result<(usize, Arc<CudaStream>)> {
+        let cs = self.cudarc_stream()?;
         check_context(owner.context(), self.device())?;
         crate::cuda::buffer::byte_len::<T>(len)?;
-        let same = std::ptr::eq(owner.cu_stream().cast::<()>(), self.as_raw().cast::<()>());
-        if !owner.context().is_managing_stream_synchronization() && !same {
+        // cudarc waits for the memory's events if the memory's context object manages
+        // synchronisation, and records one at the end if the stream's does: two objects of one
+        // primary context (two `CudaContext::new`) keep flags of their own.
+        let by_events = owner.context().is_managing_stream_synchronization()
+            && cs.context().is_managing_stream_synchronization();
+        let same = std::ptr::eq(owner.cu_stream(), cs.cu_stream());
+        if !by_events && !same {
             return Err(Error::InvalidArgument(
-                "cudarc tracks no events for this memory (its context's event tracking is off), \
-                 so only its own stream orders its uses: borrow it on a Stream made by \
-                 Stream::from_cudarc from that stream (memory.stream())"
+                "cudarc tracks no events for this memory (event tracking is off in its context, \
+                 or in the wrapped stream's), so only its own stream orders its uses: borrow it \
+                 on a Stream made by Stream::from_cudarc from that stream (memory.stream())"
                     .into(),
             ));
         }
-        Ok(len)
+        Ok((len, cs))
     }
 }
 
