@@ -407,9 +407,15 @@ impl<'a> GiveBack<'a> {
         let Some(record) = self.record.take() else {
             return Ok(());
         };
-        // Retired under the tracker's lock, as a free is: every use recorded before is in
+        // What a write here must wait for (the tracker's rule: every use on another stream),
+        // then retired, under one lock, as a free is: every use recorded before is in
         // `pending`, and a graph that captured a use of the view is refused after.
-        let pending = self.tracked.lock().retire();
+        let pending: Vec<_> = {
+            let mut uses = self.tracked.lock();
+            let pending = uses.waits(self.stream.id(), Access::Write).cloned().collect();
+            uses.retire();
+            pending
+        };
         let mut waited = Ok(());
         for e in &pending {
             // SAFETY: the stream is live, and captured by no one (captures are held off); the

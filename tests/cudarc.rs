@@ -279,10 +279,7 @@ fn lent_view_on_another_stream() -> Result<(), Failed> {
         s.lend_to_cudarc(&x, |v| cb.memcpy_dtoh(v, &mut got))
     }));
     match caught {
-        Err(p) => println!(
-            "panicked: {}",
-            p.downcast_ref::<String>().map_or("?", |m| m.as_str())
-        ),
+        Err(p) => println!("panicked: {}", panic_text(&*p)),
         Ok(r) => return Err(format!("a lent view used on another stream gave {r:?}").into()),
     }
     x.fill(4.0, &h)?;
@@ -303,14 +300,19 @@ fn lent_view_in_a_peer_copy() -> Result<(), Failed> {
         s.lend_to_cudarc(&x, |v| other.clone_dtod(v).map(|c| c.len()))
     }));
     match caught {
-        Err(p) => println!(
-            "panicked: {}",
-            p.downcast_ref::<String>().map_or("?", |m| m.as_str())
-        ),
+        Err(p) => println!("panicked: {}", panic_text(&*p)),
         Ok(r) => return Err(format!("a lent view copied to GPU 1 gave {r:?}").into()),
     }
     x.fill(5.0, &h)?;
     assert_all_eq("x", &x.to_vec(&h)?, |_| 5.0)
+}
+
+/// A panic's message.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> &str {
+    p.downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("?")
 }
 
 /// A lend or a borrow on a Stream that wraps no cudarc stream is refused; so is a borrow of a
