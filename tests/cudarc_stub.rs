@@ -328,6 +328,29 @@ fn a_lent_view_elsewhere_panics() -> Result<(), Failed> {
     Ok(())
 }
 
+/// cudarc's copy between contexts (here a second device's) takes the source's pointer for the
+/// source's stream, then queues the copy on the destination's: a lent view as that source
+/// panics, before any copy, and the lend still ends.
+fn a_lent_view_in_a_copy_between_contexts_panics() -> Result<(), Failed> {
+    let t = setup()?;
+    let other = CudaContext::new(1)?.new_stream()?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &t.plain)?;
+    let peer_copies = || stubs::count(DRIVER.get().expect("built"), "cuda", "cuMemcpyPeerAsync", false);
+    let copied = peer_copies();
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        t.sa.lend_to_cudarc(&x, |v| other.clone_dtod(v).map(|c| c.len()))
+    }));
+    match caught {
+        Err(p) => println!("panicked: {}", panic_text(&*p)),
+        Ok(r) => return Err(format!("a lent view copied to another context gave {r:?}").into()),
+    }
+    if peer_copies() != copied {
+        return Err("cudarc queued its copy before the view's panic".into());
+    }
+    x.memset_zero(&t.plain)?;
+    Ok(())
+}
+
 /// A panic's message.
 fn panic_text(p: &(dyn std::any::Any + Send)) -> &str {
     p.downcast_ref::<&str>()
@@ -372,6 +395,10 @@ fn main() {
         Trial::test(
             "a_lent_view_on_another_cudarc_stream_panics_before_anything_is_queued",
             a_lent_view_elsewhere_panics,
+        ),
+        Trial::test(
+            "a_lent_view_in_a_copy_to_another_context_panics_before_anything_is_queued",
+            a_lent_view_in_a_copy_between_contexts_panics,
         ),
     ];
     let conclusion = libtest_mimic::run(&args, trials);
