@@ -174,7 +174,10 @@
 //!   inside is the `unsafe` launch's contract. Raw work is declared with the `unsafe`
 //!   [`Stream::raw_use`]. Wrapping a cudarc stream is `unsafe` (`Stream::from_cudarc`):
 //!   cudarc's safe `begin_capture` is invisible to handoff, so the caller promises no capture
-//!   on it outside [`Graph`]. Tests: `tests/user.rs`, `tests/cudarc.rs` (feature `cudarc`).
+//!   on it outside [`Graph`]. Memory lent to cudarc or borrowed from it stays tracked on both
+//!   sides inside a closure, which no view can outlive; meanwhile conflicting uses on other
+//!   streams, and captures of the stream, are refused. Tests: `tests/user.rs`,
+//!   `tests/cudarc.rs` (feature `cudarc`), the lend rule's model check in `engine::tracking`.
 //! - **NCCL groups.** NCCL queues nothing before `ncclGroupEnd`, so the events are recorded
 //!   after it; a raw `ncclGroupStart` left open would make them complete before the transfer,
 //!   which is why [`result::nccl::group_start`] is `unsafe`. Tests: compile-fail doc tests on the

@@ -1,9 +1,11 @@
 //! Interop with cudarc 0.19 (feature `cudarc`): a handoff stream over a cudarc stream, slices
-//! moved into handoff buffers and back after their pending uses, and a kernel launched through
-//! cudarc's own launch builder on handoff buffers inside `Stream::raw_use`. The hazard tests
-//! fail when tracking is bypassed.
+//! moved into handoff buffers and back after their pending uses, a kernel launched through
+//! cudarc's own launch builder on handoff buffers inside `Stream::raw_use`, handoff buffers lent
+//! to cudarc and cudarc slices borrowed by handoff (NCCL included) without moving them. The
+//! hazard tests fail when tracking is bypassed (`--cfg handoff_bypass_tracking`), and so do the
+//! refusals of uses that conflict with a lend.
 //!
-//! `CUDARC_CUDA_VERSION=13000 cargo test --features cudarc --test cudarc`
+//! `cargo test --features cudarc-13000 --test cudarc`
 
 mod common;
 
@@ -11,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Gpus, assert_all_eq};
-use cudarc::driver::{CudaContext, CudaStream, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use handoff::kernels::{self, produced_value};
 use handoff::{Device, DeviceBuffer, RawUse, Stream};
@@ -45,7 +47,299 @@ fn main() {
             slice_moves_on_its_own_stream,
         ),
         g.trial("zero_sized_elements_stay_in_handoff", 1, zero_sized_elements_stay),
+        g.trial(
+            "hazard_cudarc_reads_a_lent_buffer_after_a_slow_handoff_write",
+            1,
+            lent_read_after_handoff_write,
+        ),
+        g.trial(
+            "hazard_handoff_reads_a_lent_buffer_after_a_slow_cudarc_write",
+            1,
+            handoff_read_after_lent_write,
+        ),
+        g.trial(
+            "hazard_handoff_reads_a_borrowed_slice_after_a_slow_cudarc_write",
+            1,
+            borrowed_read_after_cudarc_write,
+        ),
+        g.trial(
+            "hazard_cudarc_reads_a_borrowed_slice_after_a_slow_handoff_write",
+            1,
+            cudarc_read_after_borrowed_write,
+        ),
+        g.trial(
+            "hazard_nccl_sends_and_receives_borrowed_cudarc_slices",
+            1,
+            nccl_on_borrowed_slices,
+        ),
+        g.trial(
+            "a_lent_buffer_refuses_conflicting_uses_elsewhere_and_captures",
+            1,
+            lend_refusals,
+        ),
+        g.trial(
+            "a_lent_view_panics_on_another_cudarc_stream_and_the_lend_still_ends",
+            1,
+            lent_view_on_another_stream,
+        ),
+        g.trial(
+            "a_lent_view_panics_in_a_copy_to_another_context",
+            2,
+            lent_view_in_a_peer_copy,
+        ),
+        g.trial(
+            "lends_and_borrows_need_a_wrapped_stream_and_tracked_memory",
+            1,
+            lend_and_borrow_requirements,
+        ),
     ]);
+}
+
+/// How long the slow kernels take: long enough that untracked work would overtake them.
+const SLOW: Duration = Duration::from_millis(300);
+
+/// The user kernels' module in cudarc's context.
+fn user_slow_copy(ctx: &Arc<CudaContext>) -> Result<CudaFunction, Failed> {
+    Ok(ctx
+        .load_module(Ptx::from_src(PTX))?
+        .load_function("user_slow_copy")?)
+}
+
+/// `0, 1, 2, ...` as f32.
+fn iota() -> Vec<f32> {
+    (0..N).map(|i| i as f32).collect()
+}
+
+/// A slow handoff kernel writes x on a plain handoff stream; x is then lent to cudarc on the
+/// stream a wrapper of another cudarc stream, which copies it to the host at once: cudarc must
+/// see the written values.
+fn lent_read_after_handoff_write() -> Result<(), Failed> {
+    let (dev, _ctx, ca, _cb) = cudarc_streams()?;
+    let s = wrap(&ca, &dev)?;
+    let h = Stream::new(&dev)?;
+    let mut src = DeviceBuffer::<f32>::zeros(N, &h)?;
+    kernels::produce(&mut src, 5, &h)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &h)?;
+    h.synchronize()?;
+    kernels::delayed_copy(&src, &mut x, SLOW, &h)?;
+    let mut got = vec![0.0f32; N];
+    s.lend_to_cudarc(&x, |v| ca.memcpy_dtoh(v, &mut got))??;
+    assert_all_eq("cudarc's copy of the lent buffer", &got, |i| produced_value(i, 5))
+}
+
+/// cudarc writes a lent buffer with a slow kernel (launched through its builder with the
+/// view's pointer); once the lend ends, a handoff copy on another stream must see the values.
+fn handoff_read_after_lent_write() -> Result<(), Failed> {
+    let (dev, ctx, ca, _cb) = cudarc_streams()?;
+    let f = user_slow_copy(&ctx)?;
+    let s = wrap(&ca, &dev)?;
+    let h = Stream::new(&dev)?;
+    let src = ca.clone_htod(&iota())?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &h)?;
+    let (n, ns) = (N as u64, SLOW.as_nanos() as u64);
+    s.lend_to_cudarc_mut(&mut x, |v| {
+        // SAFETY: user_slow_copy(const float* src, float* dst, u64 n, u64 ns) reads src[0..n]
+        // and writes dst[0..n]; launched on `ca`, the stream x is lent across.
+        unsafe {
+            ca.launch_builder(&f)
+                .arg(&src)
+                .arg(v.kernel_arg())
+                .arg(&n)
+                .arg(&ns)
+                .launch(cudarc::driver::LaunchConfig::for_num_elems(N as u32))
+        }
+    })??;
+    assert_all_eq("handoff's copy after the lend", &x.to_vec(&h)?, |i| i as f32)
+}
+
+/// cudarc writes a slice with a slow kernel on its stream; handoff borrows it on a wrapper of
+/// that stream and copies it on a plain handoff stream, which must wait for cudarc's write.
+fn borrowed_read_after_cudarc_write() -> Result<(), Failed> {
+    let (dev, ctx, ca, _cb) = cudarc_streams()?;
+    let f = user_slow_copy(&ctx)?;
+    let s = wrap(&ca, &dev)?;
+    let h = Stream::new(&dev)?;
+    let src = ca.clone_htod(&iota())?;
+    let mut y = ca.alloc_zeros::<f32>(N)?;
+    let (n, ns) = (N as u64, SLOW.as_nanos() as u64);
+    // SAFETY: as in handoff_read_after_lent_write.
+    unsafe {
+        ca.launch_builder(&f)
+            .arg(&src)
+            .arg(&mut y)
+            .arg(&n)
+            .arg(&ns)
+            .launch(cudarc::driver::LaunchConfig::for_num_elems(N as u32))?;
+    }
+    let mut out = DeviceBuffer::<f32>::zeros(N, &h)?;
+    s.borrow_from_cudarc(&y, |v| out.copy_from(v, &h))??;
+    assert_all_eq("handoff's copy of the borrowed slice", &out.to_vec(&h)?, |i| {
+        i as f32
+    })
+}
+
+/// A slow handoff kernel on a plain handoff stream writes a borrowed cudarc slice; afterwards
+/// cudarc copies the slice on another of its streams, which must wait for that write.
+fn cudarc_read_after_borrowed_write() -> Result<(), Failed> {
+    let (dev, _ctx, ca, cb) = cudarc_streams()?;
+    let s = wrap(&ca, &dev)?;
+    let h = Stream::new(&dev)?;
+    let mut src = DeviceBuffer::<f32>::zeros(N, &h)?;
+    kernels::produce(&mut src, 7, &h)?;
+    let mut y = cb.alloc_zeros::<f32>(N)?;
+    h.synchronize()?;
+    s.borrow_from_cudarc_mut(&mut y, |v| kernels::delayed_copy(&src, v, SLOW, &h))??;
+    let got = cb.clone_dtoh(&y)?;
+    assert_all_eq("cudarc's copy after the borrow", &got, |i| produced_value(i, 7))
+}
+
+/// A one-rank communicator sends a cudarc slice, just written by a slow cudarc kernel, to
+/// itself, into another cudarc slice, both borrowed, on a plain handoff stream; cudarc then
+/// copies the received slice on its own stream.
+fn nccl_on_borrowed_slices() -> Result<(), Failed> {
+    let (dev, ctx, ca, cb) = cudarc_streams()?;
+    let f = user_slow_copy(&ctx)?;
+    let s = wrap(&cb, &dev)?;
+    let comm = handoff::Communicator::init_all(std::slice::from_ref(&dev))?.remove(0);
+    let h = Stream::new(&dev)?;
+    let src = ca.clone_htod(&iota())?;
+    let mut a = ca.alloc_zeros::<f32>(N)?;
+    let mut b = ca.alloc_zeros::<f32>(N)?;
+    let (n, ns) = (N as u64, SLOW.as_nanos() as u64);
+    // SAFETY: as in handoff_read_after_lent_write.
+    unsafe {
+        ca.launch_builder(&f)
+            .arg(&src)
+            .arg(&mut a)
+            .arg(&n)
+            .arg(&ns)
+            .launch(cudarc::driver::LaunchConfig::for_num_elems(N as u32))?;
+    }
+    s.borrow_from_cudarc(&a, |send| {
+        s.borrow_from_cudarc_mut(&mut b, |mut recv| {
+            handoff::group(|g| {
+                g.send(&comm, send, 0, &h)?;
+                g.recv(&comm, &mut recv, 0, &h)
+            })
+        })
+    })???;
+    let got = ca.clone_dtoh(&b)?;
+    assert_all_eq("the received slice, in cudarc", &got, |i| i as f32)
+}
+
+/// While half of a buffer is lent to cudarc for writing: the other half (one tracker per buffer)
+/// is refused on another stream and allowed on the lending one, no graph capture begins on the
+/// lending stream, and a graph that writes the buffer is not launched elsewhere. Afterwards,
+/// all of it is allowed again.
+fn lend_refusals() -> Result<(), Failed> {
+    let (dev, _ctx, ca, _cb) = cudarc_streams()?;
+    let s = wrap(&ca, &dev)?;
+    let h = Stream::new(&dev)?;
+    let mut other = DeviceBuffer::<f32>::zeros(N, &h)?;
+    let graph = handoff::Graph::capture(&h, |h| other.fill(2.0, h))?;
+    let mut x = DeviceBuffer::<f32>::zeros(2 * N, &h)?;
+    let (mut lo, mut hi) = x.split_at_mut(N)?;
+    s.lend_to_cudarc_mut(&mut lo, |v| -> Result<(), Failed> {
+        ca.memset_zeros(v)?;
+        match hi.fill(1.0, &h) {
+            Err(handoff::Error::InvalidArgument(m)) => println!("refused: {m}"),
+            other => return Err(format!("the other half on another stream gave {other:?}").into()),
+        }
+        hi.fill(1.0, &s)?;
+        match handoff::Graph::capture(&s, |_| Ok(())) {
+            Err(handoff::Error::Capture { detail }) => println!("refused: {detail}"),
+            other => return Err(format!("a capture on the lending stream gave {:?}", other.err()).into()),
+        }
+        Ok(())
+    })??;
+    // A read lend of `other`: the graph, which writes it, is refused on another stream.
+    s.lend_to_cudarc(&other, |_| match graph.launch(&h) {
+        Err(handoff::Error::InvalidArgument(m)) => {
+            println!("refused: {m}");
+            Ok(())
+        }
+        r => Err(Failed::from(format!("a graph writing a lent buffer gave {r:?}"))),
+    })??;
+    hi.fill(3.0, &h)?;
+    graph.launch(&h)?;
+    handoff::Graph::capture(&s, |_| Ok(()))?;
+    assert_all_eq("hi", &hi.to_vec(&h)?, |_| 3.0)?;
+    assert_all_eq("other", &other.to_vec(&h)?, |_| 2.0)
+}
+
+/// A lent view given to cudarc with another cudarc stream panics before cudarc queues
+/// anything; the lend still ends (the buffer is written elsewhere, the stream captured, after).
+fn lent_view_on_another_stream() -> Result<(), Failed> {
+    let (dev, _ctx, ca, cb) = cudarc_streams()?;
+    let s = wrap(&ca, &dev)?;
+    let h = Stream::new(&dev)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &h)?;
+    let mut got = vec![0.0f32; N];
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        s.lend_to_cudarc(&x, |v| cb.memcpy_dtoh(v, &mut got))
+    }));
+    match caught {
+        Err(p) => println!("panicked: {}", panic_text(&*p)),
+        Ok(r) => return Err(format!("a lent view used on another stream gave {r:?}").into()),
+    }
+    x.fill(4.0, &h)?;
+    handoff::Graph::capture(&s, |_| Ok(()))?;
+    assert_all_eq("x", &x.to_vec(&h)?, |_| 4.0)
+}
+
+/// cudarc's copy between contexts takes the source's pointer for the source's stream but queues
+/// the copy on the destination's (GPU 1's): a lent view as that source panics before cudarc
+/// queues anything, and the lend still ends.
+fn lent_view_in_a_peer_copy() -> Result<(), Failed> {
+    let (dev, _ctx, ca, _cb) = cudarc_streams()?;
+    let other = CudaContext::new(1)?.new_stream()?;
+    let s = wrap(&ca, &dev)?;
+    let h = Stream::new(&dev)?;
+    let mut x = DeviceBuffer::<f32>::zeros(N, &h)?;
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        s.lend_to_cudarc(&x, |v| other.clone_dtod(v).map(|c| c.len()))
+    }));
+    match caught {
+        Err(p) => println!("panicked: {}", panic_text(&*p)),
+        Ok(r) => return Err(format!("a lent view copied to GPU 1 gave {r:?}").into()),
+    }
+    x.fill(5.0, &h)?;
+    assert_all_eq("x", &x.to_vec(&h)?, |_| 5.0)
+}
+
+/// A panic's message.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> &str {
+    p.downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("?")
+}
+
+/// A lend or a borrow on a Stream that wraps no cudarc stream is refused; so is a borrow of a
+/// slice whose context tracks no events, on a Stream that wraps another stream than its own.
+fn lend_and_borrow_requirements() -> Result<(), Failed> {
+    let (dev, ctx, ca, cb) = cudarc_streams()?;
+    let plain = Stream::new(&dev)?;
+    let x = DeviceBuffer::<f32>::zeros(N, &plain)?;
+    let y = cb.clone_htod(&iota())?;
+    match plain.lend_to_cudarc(&x, |_| ()) {
+        Err(handoff::Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("a lend across a plain stream gave {other:?}").into()),
+    }
+    match plain.borrow_from_cudarc(&y, |_| ()) {
+        Err(handoff::Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("a borrow across a plain stream gave {other:?}").into()),
+    }
+    // SAFETY: this test's work on y is all on cb, which orders it.
+    unsafe { ctx.disable_event_tracking() };
+    let on_a = wrap(&ca, &dev)?;
+    match on_a.borrow_from_cudarc(&y, |_| ()) {
+        Err(handoff::Error::InvalidArgument(m)) => println!("refused: {m}"),
+        other => return Err(format!("a borrow of untracked memory elsewhere gave {other:?}").into()),
+    }
+    let on_b = wrap(&cb, &dev)?;
+    let got = on_b.borrow_from_cudarc(&y, |v| v.to_vec(&on_b))??;
+    assert_all_eq("y", &got, |i| i as f32)
 }
 
 /// GPU 0 for handoff, and cudarc's context and two of its streams there.

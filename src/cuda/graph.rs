@@ -328,8 +328,9 @@ impl Graph {
     /// stream of the capture, and NCCL (see [`Graph::capture_with`]).
     ///
     /// # Errors
-    /// [`Error::Capture`] if the stream is already being captured (by handoff or anyone else);
-    /// the first error `body` returns (the capture is then discarded); CUDA errors (capture,
+    /// [`Error::Capture`] if the stream is already being captured (by handoff or anyone else),
+    /// or while memory is lent to or borrowed from cudarc across it (feature `cudarc`); the
+    /// first error `body` returns (the capture is then discarded); CUDA errors (capture,
     /// instantiation).
     pub fn capture(stream: &Stream, body: impl FnOnce(&Stream) -> Result<()>) -> Result<Graph> {
         Self::capture_inner(stream, None, |s, _| body(s))
@@ -373,6 +374,7 @@ impl Graph {
                         .into(),
                 });
             }
+            crate::engine::lend::check_not_lent(&state)?;
             stream.check_not_captured_elsewhere()?;
             if let Some(c) = comm {
                 c.begin_capture(stream.id())?;

@@ -135,7 +135,8 @@ impl Stream {
     /// # Errors
     /// [`Error::Capture`]: inside a capture, for an event recorded outside it; for an event
     /// recorded in a capture that has ended, or in another thread's; for a stream of another
-    /// device than the capture's, or captured by cudarc. CUDA errors.
+    /// device than the capture's, or captured by cudarc, or one across which memory is lent to
+    /// or borrowed from cudarc. CUDA errors.
     pub fn wait(&self, event: &Event) -> Result<()> {
         let mut held = self.order.hold();
         let mark = event.mark();
@@ -154,6 +155,7 @@ impl Stream {
             )),
             (None, Some(theirs)) => {
                 theirs.admit(false, Work::Cuda { keep: None })?;
+                engine::lend::check_not_lent(&held)?;
                 let mut shared = theirs.lock();
                 if !shared.device.as_ref().is_some_and(|d| d.same(&self.device)) {
                     return Err(engine::capture_error(

@@ -132,6 +132,7 @@ impl CaptureState {
         }
         match work {
             Work::Uncapturable { what } => Err(not_capturable(what)),
+            Work::Lend { .. } => Err(not_capturable("lending memory to cudarc")),
             Work::Nccl { comms, .. } if comms.iter().any(|c| self.comm != Some(*c)) => {
                 Err(capture_error(NOT_THE_GRAPHS))
             }

@@ -32,6 +32,7 @@
 pub(crate) mod capture;
 pub(crate) mod device;
 pub(crate) mod gate;
+pub(crate) mod lend;
 pub(crate) mod stream;
 pub(crate) mod tracked;
 pub(crate) mod tracking;
@@ -73,6 +74,9 @@ pub(crate) fn same_capture(a: &Stream, b: &Stream) -> bool {
 pub(crate) struct StreamState {
     pub(crate) capture: Option<CaptureState>,
     pub(crate) last: Option<Arc<PooledEvent>>,
+    /// How many lends of memory to work the engine does not see are open across this stream
+    /// ([`lend::HeldOff`]): no capture may begin or join here meanwhile.
+    pub(crate) lent: usize,
 }
 
 /// One use of a buffer by the operation being queued.
@@ -144,6 +148,11 @@ pub(crate) enum Work<'k> {
     /// refused in a capture, checked under the stream's order so that a capture begun by
     /// another thread cannot slip in between.
     Uncapturable { what: &'k str },
+    /// No work: the opening (`open`) or the end of lend `id` of the operation's memory to work
+    /// the engine does not see, queued on the operation's stream in between (see
+    /// [`crate::engine::tracking`]'s "Lends", and [`lend`]). Refused in a capture.
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    Lend { id: u64, open: bool },
 }
 
 /// Queues one operation that uses the given memory (steps 2 to 5 above; step 1 is
@@ -345,6 +354,9 @@ fn enqueue_with<R>(
     // event is made on its device by the pool.
     for u in uses {
         let t = tracker(&mut trackers, u.tracked);
+        if t.lent_conflict(u.stream.id(), u.access) {
+            return Err(lend::refused(u.access));
+        }
         let sink = nccl.then(|| &mut on(&mut streams, u.record).before);
         u.stream.wait_for_conflicts(t, u.access, sink)?;
     }
@@ -402,7 +414,15 @@ fn enqueue_with<R>(
             || s.record_pooled(event),
             |streams, event| {
                 for v in mine() {
-                    tracker(&mut trackers, v.tracked).record(v.stream.id(), v.access, event.clone());
+                    let t = tracker(&mut trackers, v.tracked);
+                    t.record(v.stream.id(), v.access, event.clone());
+                    match work {
+                        Work::Lend { id, open: true } => t.lend(id, v.stream.id(), v.access),
+                        Work::Lend { id, open: false } => {
+                            t.end_lend(id);
+                        }
+                        _ => {}
+                    }
                 }
                 // Once per stream the event follows work of.
                 for o in streams.iter_mut() {

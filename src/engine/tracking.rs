@@ -25,6 +25,15 @@
 //!
 //! Freeing follows the same rule as a write: [`UseTracker::take_all`] hands back every pending
 //! event, and the buffer's memory is released in stream order after all of them.
+//!
+//! # Lends
+//! Memory can be *lent* on a stream to work the engine does not queue itself (cudarc's, through
+//! a borrowed view): between [`UseTracker::lend`] and [`UseTracker::end_lend`] that work is
+//! queued on the stream at times the engine does not see, so it has no event yet for others to
+//! wait for. A use on another stream that conflicts with an open lend (either is a write) is
+//! therefore refused ([`UseTracker::lent_conflict`]) rather than ordered; uses on the lending
+//! stream are ordered by the stream. The lend ends with an event recorded on its stream after
+//! that work, stored as an ordinary use.
 
 /// Identifies a stream for the whole life of the process. Never reused, unlike a
 /// `cudaStream_t`, whose address a later stream can get once the first is destroyed: a reused
@@ -68,6 +77,8 @@ pub struct UseTracker<E> {
     reads: Vec<Use<E>>,
     /// Set by [`UseTracker::retire`]: the memory is being freed, and no use may be added.
     retired: bool,
+    /// Open lends (see the module's "Lends"): an id, the stream, and the access lent.
+    lent: Vec<(u64, StreamId, Access)>,
 }
 
 impl<E> Default for UseTracker<E> {
@@ -76,6 +87,7 @@ impl<E> Default for UseTracker<E> {
             write: None,
             reads: Vec::new(),
             retired: false,
+            lent: Vec::new(),
         }
     }
 }
@@ -139,6 +151,36 @@ impl<E> UseTracker<E> {
     pub fn retire(&mut self) -> Vec<E> {
         self.retired = true;
         self.take_all()
+    }
+
+    /// Whether an `access` on `stream` must be refused: it conflicts with an open lend on
+    /// another stream (either is a write), whose work has no event yet to wait for. Uses on the
+    /// lending stream are ordered by it.
+    pub fn lent_conflict(&self, stream: StreamId, access: Access) -> bool {
+        !BYPASSED
+            && self
+                .lent
+                .iter()
+                .any(|&(_, s, a)| s != stream && (a == Access::Write || access == Access::Write))
+    }
+
+    /// Opens lend `id`: from now until [`UseTracker::end_lend`], work the engine does not see
+    /// may `access` the memory on `stream`. The caller has refused the lend if
+    /// [`UseTracker::lent_conflict`] said so, and made `stream` wait for [`UseTracker::waits`].
+    pub fn lend(&mut self, id: u64, stream: StreamId, access: Access) {
+        self.lent.push((id, stream, access));
+    }
+
+    /// Ends lend `id`, once an event recorded on its stream after the lent work has been
+    /// stored with [`UseTracker::record`] (or that work has completed). False if it was not open.
+    pub fn end_lend(&mut self, id: u64) -> bool {
+        match self.lent.iter().position(|&(i, _, _)| i == id) {
+            Some(at) => {
+                self.lent.swap_remove(at);
+                true
+            }
+            None => false,
+        }
     }
 
     /// True once the memory has been (or is being) freed: see [`UseTracker::retire`].
@@ -407,6 +449,162 @@ mod tests {
             t1.join().unwrap().unwrap();
             let kept: Vec<u32> = tracker.lock().unwrap().uses().map(|u| u.event).collect();
             assert_eq!(kept, [2], "the read slot must hold the newest event (2)");
+        }
+    }
+
+    #[test]
+    fn a_write_lend_refuses_every_use_elsewhere_until_it_ends() {
+        let mut t = UseTracker::new();
+        t.record(S1, Access::Write, "w1");
+        // Opening a write lend on S2 waits, as a write there would, for w1.
+        assert_eq!(waits(&t, S2, Access::Write), ["w1"]);
+        t.lend(7, S2, Access::Write);
+        // The lent work has no event yet: every use on another stream is refused; the lending
+        // stream orders its own.
+        assert!(t.lent_conflict(S1, Access::Read) && t.lent_conflict(S3, Access::Write));
+        assert!(!t.lent_conflict(S2, Access::Read) && !t.lent_conflict(S2, Access::Write));
+        t.record(S2, Access::Write, "end");
+        assert!(t.end_lend(7));
+        assert!(!t.end_lend(7), "a lend ends once");
+        assert!(!t.lent_conflict(S1, Access::Read));
+        assert_eq!(waits(&t, S1, Access::Read), ["end"]);
+    }
+
+    #[test]
+    fn a_read_lend_refuses_only_writes_elsewhere() {
+        let mut t = UseTracker::<&str>::new();
+        t.lend(1, S1, Access::Read);
+        assert!(!t.lent_conflict(S2, Access::Read));
+        assert!(t.lent_conflict(S2, Access::Write));
+        // Two read lends on two streams: a write is refused until both have ended.
+        t.lend(2, S2, Access::Read);
+        assert!(t.end_lend(1));
+        assert!(t.lent_conflict(S3, Access::Write) && t.lent_conflict(S1, Access::Write));
+        assert!(
+            !t.lent_conflict(S2, Access::Write),
+            "S2 orders its own write after its lend"
+        );
+        assert!(t.end_lend(2));
+        assert!(!t.lent_conflict(S3, Access::Write));
+    }
+
+    /// The model check below with lends: every sequence of up to five steps on two streams
+    /// (four on three), each a use, the opening of a lend, lent work (on the newest open lend's
+    /// stream, waiting for nothing, as cudarc's does), or the closing of the oldest open lend (an
+    /// event after it, stored as that stream's use). Refused steps are left out; no two
+    /// conflicting accesses may overlap.
+    #[test]
+    fn no_sequence_with_lends_lets_conflicting_accesses_overlap() {
+        let mut checked = 0;
+        for (streams, longest) in [(&[S1, S2][..], 5u32), (&[S1, S2, S3][..], 4)] {
+            let mut steps = Vec::new();
+            for &s in streams {
+                for a in [Access::Read, Access::Write] {
+                    steps.push(Step::Use(s, a));
+                    steps.push(Step::Open(s, a));
+                }
+            }
+            steps.extend([Step::Work, Step::Close]);
+            for len in 1..=longest {
+                for code in 0..steps.len().pow(len) {
+                    let mut seq = Vec::new();
+                    let mut c = code;
+                    for _ in 0..len {
+                        seq.push(steps[c % steps.len()]);
+                        c /= steps.len();
+                    }
+                    check_lends(&seq);
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 140_000);
+    }
+
+    #[derive(Debug, Clone, Copy)]
+    enum Step {
+        Use(StreamId, Access),
+        Open(StreamId, Access),
+        Work,
+        Close,
+    }
+
+    fn check_lends(seq: &[Step]) {
+        use std::collections::BTreeSet;
+        let mut t = UseTracker::<usize>::new();
+        // Per op: its stream, the access it makes of the memory (none for a lend's open and
+        // close, which only wait and record), and every op it is ordered after.
+        let mut ops: Vec<(StreamId, Option<Access>, BTreeSet<usize>)> = Vec::new();
+        let mut open: Vec<(usize, StreamId, Access)> = Vec::new();
+        let push = |ops: &mut Vec<(StreamId, Option<Access>, BTreeSet<usize>)>,
+                    t: &UseTracker<usize>,
+                    s: StreamId,
+                    access: Option<Access>,
+                    wait: Option<Access>| {
+            let mut deps = BTreeSet::new();
+            for (j, (sj, _, bj)) in ops.iter().enumerate() {
+                if *sj == s {
+                    deps.insert(j);
+                    deps.extend(bj.iter().copied());
+                }
+            }
+            for &e in wait.iter().flat_map(|&a| t.waits(s, a)) {
+                deps.insert(e);
+                deps.extend(ops[e].2.iter().copied());
+            }
+            ops.push((s, access, deps));
+            ops.len() - 1
+        };
+        let mut steps: Vec<Step> = seq.to_vec();
+        // Every lend still open at the end is closed before the free.
+        steps.extend(std::iter::repeat_n(Step::Close, 5));
+        for step in steps {
+            match step {
+                Step::Use(s, a) | Step::Open(s, a) if t.lent_conflict(s, a) => {}
+                Step::Use(s, a) => {
+                    let i = push(&mut ops, &t, s, Some(a), Some(a));
+                    t.record(s, a, i);
+                }
+                Step::Open(s, a) => {
+                    let i = push(&mut ops, &t, s, None, Some(a));
+                    t.record(s, a, i);
+                    t.lend(i as u64, s, a);
+                    open.push((i, s, a));
+                }
+                Step::Work => {
+                    if let Some(&(_, s, a)) = open.last() {
+                        push(&mut ops, &t, s, Some(a), None);
+                    }
+                }
+                Step::Close => {
+                    if !open.is_empty() {
+                        let (id, s, a) = open.remove(0);
+                        let i = push(&mut ops, &t, s, None, Some(a));
+                        t.record(s, a, i);
+                        assert!(t.end_lend(id as u64));
+                    }
+                }
+            }
+        }
+        for i in 0..ops.len() {
+            for j in 0..i {
+                if let (Some(ai), Some(aj)) = (ops[i].1, ops[j].1)
+                    && (ai == Access::Write || aj == Access::Write)
+                {
+                    assert!(ops[i].2.contains(&j), "{seq:?}: op {i} may overlap op {j}");
+                }
+            }
+        }
+        let freed: BTreeSet<usize> = t
+            .take_all()
+            .into_iter()
+            .flat_map(|e| ops[e].2.iter().copied().chain([e]).collect::<Vec<_>>())
+            .collect();
+        for (i, op) in ops.iter().enumerate() {
+            assert!(
+                op.1.is_none() || freed.contains(&i),
+                "{seq:?}: free may overlap op {i}"
+            );
         }
     }
 

@@ -24,6 +24,11 @@ impl NoStubs {
 /// The sources are found where the crate was built or, for a staged binary run from the
 /// repository's root on another machine, under the working directory.
 pub fn build(dir: &Path, c: &str, so: &str) -> Result<PathBuf, NoStubs> {
+    build_with(dir, c, so, &[])
+}
+
+/// [`build`] with `extra` arguments for the compiler (a soname).
+pub fn build_with(dir: &Path, c: &str, so: &str, extra: &[&str]) -> Result<PathBuf, NoStubs> {
     let src = [Path::new(env!("CARGO_MANIFEST_DIR")), Path::new(".")]
         .iter()
         .map(|root| root.join("tests/stubs"))
@@ -38,6 +43,7 @@ pub fn build(dir: &Path, c: &str, so: &str) -> Result<PathBuf, NoStubs> {
         .arg("-o")
         .arg(&target)
         .arg(src.join(c))
+        .args(extra)
         .arg("-ldl")
         .status()
         .map_err(|e| NoStubs::NoCompiler(format!("could not run the C compiler {cc:?} (set CC): {e}")))?;
@@ -87,6 +93,20 @@ pub unsafe fn install_pair(binary: &str, nccl_c: &str) -> Option<(PathBuf, PathB
         std::env::set_var("HANDOFF_NCCL_PATH", &nccl);
     }
     Some((dir, cudart, nccl))
+}
+
+/// The stub driver (`cuda.c`) built into `dir` as `libcuda.so`, with that soname, and opened for
+/// the rest of the process: cudarc opens `libcuda.so` by name, and the dynamic linker then finds
+/// this one, already loaded under it. It calls the stub runtime that `HANDOFF_CUDART_PATH` names.
+#[allow(dead_code)] // Only the cudarc stub test loads a driver.
+pub fn preload_driver(dir: &Path) -> Result<PathBuf, NoStubs> {
+    let path = build_with(dir, "cuda.c", "libcuda.so", &["-Wl,-soname,libcuda.so"])?;
+    // SAFETY: a stub library built above: plain C with no initialisers. It stays loaded
+    // (leaked) for cudarc to find.
+    let lib = unsafe { libloading::Library::new(&path) }
+        .map_err(|e| NoStubs::Failed(format!("{}: {e}", path.display())))?;
+    std::mem::forget(lib);
+    Ok(path)
 }
 
 /// Calls `void name(int)` in the stub library at `lib` (one of the stubs' setters), leaving the
