@@ -349,16 +349,20 @@ impl Stream {
         check_context(owner.context(), self.device())?;
         crate::cuda::buffer::byte_len::<T>(len)?;
         // cudarc waits for the memory's events if the memory's context object manages
-        // synchronisation, and records one at the end if the stream's does: two objects of one
-        // primary context (two `CudaContext::new`) keep flags of their own.
-        let by_events = owner.context().is_managing_stream_synchronization()
-            && cs.context().is_managing_stream_synchronization();
+        // synchronisation, and records one at the end if the stream's does. Only with one
+        // context object does that hold until cudarc's wait: the wrapped stream (never a
+        // default one, see `check_handle`), alive while this borrow holds it, keeps that object
+        // managing; another object (a second `CudaContext::new` of the same primary context)
+        // could stop between this check and the wait, when its last other stream drops.
+        let by_events =
+            Arc::ptr_eq(owner.context(), cs.context()) && cs.context().is_managing_stream_synchronization();
         let same = std::ptr::eq(owner.cu_stream(), cs.cu_stream());
         if !by_events && !same {
             return Err(Error::InvalidArgument(
-                "cudarc tracks no events for this memory (event tracking is off in its context, \
-                 or in the wrapped stream's), so only its own stream orders its uses: borrow it \
-                 on a Stream made by Stream::from_cudarc from that stream (memory.stream())"
+                "cudarc's events order this memory's uses here only when it belongs to the \
+                 wrapped stream's own context object with event tracking on (it is another \
+                 object's, or tracking is off), so only its own stream orders its uses: borrow \
+                 it on a Stream made by Stream::from_cudarc from that stream (memory.stream())"
                     .into(),
             ));
         }

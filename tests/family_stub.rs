@@ -7,7 +7,9 @@
 //! - replays in one order on both ranks are each launched once (`cudaGraphLaunch` counted);
 //! - rank 0 replaying one graph while rank 1 replays another: `Error::Mismatch` on both, and
 //!   neither launches it; the family's graphs are refused from then on;
-//! - a capture's body that replays or synchronizes its own family is refused, not deadlocked.
+//! - a capture's body that replays or synchronizes its own family is refused, not deadlocked;
+//! - two threads each capturing one family while replaying the other's graph end in
+//!   `Error::Timeout` within the timeout, not in a deadlock.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Barrier, OnceLock};
@@ -173,6 +175,51 @@ fn a_capture_that_replays_its_own_family_is_refused() -> Result<(), Failed> {
     Ok(())
 }
 
+/// A one-rank family on `device` with one graph (an all-reduce of 8), on a stream of its own.
+fn one_rank_family(device: &Device, timeout: Duration) -> handoff::Result<(Arc<Stream>, GraphFamily, Graph)> {
+    let id = UniqueId::new()?;
+    let comm = Communicator::with_options(1, 0, &id, CommOptions::default().with_timeout(timeout), device)?;
+    let s = Arc::new(Stream::new(device)?);
+    let mut x = DeviceBuffer::<f32>::zeros(8, &s)?;
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &s)?;
+    let family = GraphFamily::new(comm, &s)?;
+    let graph = family.capture(&s, |s, comm| comm.all_reduce_in_place(&mut x, ReduceOp::Sum, s))?;
+    Ok((s, family, graph))
+}
+
+fn two_captures_replaying_each_others_family_time_out() -> Result<(), Failed> {
+    let timeout = Duration::from_millis(500);
+    let device = Device::new(0)?;
+    let (sa, fa, ga) = one_rank_family(&device, timeout)?;
+    let (sb, fb, gb) = one_rank_family(&device, timeout)?;
+    let barrier = Arc::new(Barrier::new(2));
+    let (done, results) = std::sync::mpsc::channel();
+    for (s, family, theirs, their_stream) in [(sa.clone(), fa, gb, sb.clone()), (sb, fb, ga, sa)] {
+        let (barrier, done) = (barrier.clone(), done.clone());
+        std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            let mut inside = None;
+            let _ = family.capture(&s, |_, _| {
+                barrier.wait();
+                // The other thread holds the other family, capturing it.
+                inside = Some(theirs.launch(&their_stream).map(drop));
+                Ok(())
+            });
+            let _ = done.send((inside, t.elapsed()));
+        });
+    }
+    for _ in 0..2 {
+        let (inside, took) = results
+            .recv_timeout(timeout * 10)
+            .map_err(|_| "a capture replaying the other family's graph did not end: a deadlock")?;
+        println!("replay inside the other's capture: {inside:?} after {took:?}");
+        if !matches!(inside, Some(Err(Error::Timeout { .. }))) {
+            return Err(format!("the replay gave {inside:?}, want Error::Timeout").into());
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     let mut args = Arguments::from_args();
     // The stub NCCL gathers between the threads of one communicator at a time.
@@ -196,6 +243,10 @@ fn main() {
         Trial::test(
             "a_capture_that_replays_its_own_family_is_refused_not_deadlocked",
             a_capture_that_replays_its_own_family_is_refused,
+        ),
+        Trial::test(
+            "two_captures_replaying_each_others_family_time_out_not_deadlock",
+            two_captures_replaying_each_others_family_time_out,
         ),
     ];
     libtest_mimic::run(&args, trials).exit();

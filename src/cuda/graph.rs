@@ -516,10 +516,17 @@ impl Graph {
         // In a family, the replay is compared with every peer's before it is launched; from
         // then on it must reach the stream, or the communicator breaks (its peers' next
         // replays would be compared with the wrong ones).
-        let verified = comm.verify_replay(self.replay_id)?;
-        let unposted = Unposted {
-            comm: verified.then_some(comm),
-        };
+        // Armed before: a panic part-way through verification may have published entries.
+        let mut unposted = Unposted { comm: Some(comm) };
+        match comm.verify_replay(self.replay_id) {
+            Ok(true) => {}
+            Ok(false) => unposted.comm = None,
+            Err(e) => {
+                // A failed verification has broken the communicator already, as it should.
+                unposted.comm = None;
+                return Err(e);
+            }
+        }
         let key = [comm.key()];
         let n = self.launches.get() + 1;
         // Counted whatever happens below: a replay counted but not launched only makes the

@@ -576,9 +576,15 @@ impl Communicator {
     /// only inside that graph's capture, and an abort does not wait for the graph to go (it
     /// runs on a thread started here).
     ///
+    /// Its eager work completes first (bounded, as [`Communicator::synchronize`]): NCCL orders
+    /// eager work before a graph's launches only with its graph mixing support on
+    /// (`NCCL_GRAPH_MIXING_SUPPORT`), and a warm-up transfer still running beside a first
+    /// replay would share its connections.
+    ///
     /// # Errors
-    /// [`Error::Capture`] if the thread cannot be started.
+    /// As [`Communicator::synchronize`]; [`Error::Capture`] if the thread cannot be started.
     pub(crate) fn give_to_graph(&mut self) -> Result<()> {
+        self.synchronize()?;
         let (to, from) = std::sync::mpsc::channel::<Raw>();
         let ordinal = self.shared.ordinal;
         let thread = std::thread::Builder::new()

@@ -2,7 +2,8 @@
 //! (the argument is on [`GraphFamily`]); what a replay publishes is `verify::replay`'s.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
@@ -37,6 +38,14 @@ use crate::nccl::verify::wire::CollDesc;
 /// to the launch, and every graph replays on the family's stream. A replay that differs from a
 /// peer's is [`Error::Mismatch`] on both ranks, launched on neither; a peer that never replays
 /// is [`Error::Timeout`]; either leaves the family's communicator unusable.
+///
+/// A replay that verification passed but that is refused afterwards (a buffer of the graph
+/// dropped, the family's stream under another capture, a buffer lent to cudarc elsewhere)
+/// breaks the family's communicator, since its peers' replays were compared with it: check
+/// those before replaying. At most [`crate::cuda::graph::MAX_REPLAYS_IN_FLIGHT`] replays of
+/// each graph are in flight, so a family of `n` graphs may have `n` times as many; each is
+/// still checked against the peers' hosts first. The family keeps what each of its graphs'
+/// replays is compared with (about a hundred bytes a graph) until it is dropped.
 ///
 /// The check waits on the host for the peers' hosts to reach the same replay (bounded by the
 /// communicator's timeout, as any verification; a few microseconds when they are there), and
@@ -82,6 +91,8 @@ struct Shared {
     /// The thread holding `comm` ([`this_thread`]), 0 for none: a capture's body that replays
     /// or synchronizes the family would otherwise wait for itself.
     holder: AtomicU64,
+    /// The communicator's timeout when the family was made: the longest a lock waits.
+    timeout: Duration,
     rank: usize,
     world: usize,
 }
@@ -115,8 +126,13 @@ impl Drop for Held<'_> {
 }
 
 impl Shared {
+    /// Locks the communicator, waiting at most its timeout for another thread's capture or
+    /// replay (two threads each capturing one family while replaying the other's graphs would
+    /// otherwise wait for each other forever).
+    ///
     /// # Errors
-    /// [`Error::Capture`] on the thread that holds it already (inside a capture of the family).
+    /// [`Error::Capture`] on the thread that holds it already (inside a capture of the family);
+    /// [`Error::Timeout`] after the communicator's timeout.
     fn lock(&self) -> Result<Held<'_>> {
         let me = this_thread();
         if self.holder.load(Ordering::Acquire) == me {
@@ -125,9 +141,31 @@ impl Shared {
                  after the capture's body returns",
             ));
         }
-        // A panic while it was held broke the communicator if it had to (see the graph's
-        // `Unposted`).
-        let guard = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        let started = Instant::now();
+        let mut looks = 0u32;
+        let guard = loop {
+            match self.comm.try_lock() {
+                Ok(g) => break g,
+                // A panic while it was held broke the communicator if it had to (see the
+                // graph's `Unposted`).
+                Err(TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            if started.elapsed() >= self.timeout {
+                return Err(Error::Timeout {
+                    what: "the graph family's communicator, held by another thread's capture or \
+                           replay"
+                        .into(),
+                    after: self.timeout,
+                });
+            }
+            looks = looks.saturating_add(1);
+            if looks < 100 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        };
         self.holder.store(me, Ordering::Release);
         Ok(Held {
             guard,
@@ -174,6 +212,7 @@ impl GraphFamily {
             shared: Arc::new(Shared {
                 rank: comm.rank(),
                 world: comm.world_size(),
+                timeout: comm.timeout(),
                 comm: Mutex::new(comm),
                 holder: AtomicU64::new(0),
             }),

@@ -514,6 +514,13 @@ impl<'a> Group<'a> {
         self.check_local(&queued)?;
         self.check_layout_choice()?;
         let hold = self.verify(&comms, &queued)?;
+        // Verified: each operation is now in the peers' order. From here until NCCL has the
+        // group, any failure (or panic) must break every communicator of the group, or their
+        // next operations would be matched, verified, against the wrong peer operations.
+        let guard = BreakUnlessPosted {
+            comms: &comms,
+            posted: false,
+        };
         // A family's capture: what each of its replays is verified against.
         for c in comms.iter().filter(|c| c.in_graph) {
             if let Some(f) = c.family.borrow_mut().as_mut() {
@@ -529,13 +536,6 @@ impl<'a> Group<'a> {
                 f.note(c.rank(), p2p, colls);
             }
         }
-        // Verified: each operation is now in the peers' order. From here until NCCL has the
-        // group, any failure (or panic) must break every communicator of the group, or their
-        // next operations would be matched, verified, against the wrong peer operations.
-        let guard = BreakUnlessPosted {
-            comms: &comms,
-            posted: false,
-        };
         // One tracking event per communicator, on its first stream: see the engine.
         let use_of =
             |comm: &Communicator, stream: &'a Stream, tracked: &'a Tracked, access: Access| TrackedUse {

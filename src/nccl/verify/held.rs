@@ -130,7 +130,9 @@ pub(crate) fn may_hold(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> bool {
     };
     let one = pairs.iter().all(|p| std::ptr::eq(p.boxes, boxes))
         && colls.iter().all(|c| std::ptr::eq(c.boxes, boxes));
-    if !one || !Routes::new(pairs, colls).hold() {
+    // Only shared memory holds (`Transport::holds`): a peer reached through the channel is
+    // read from a mirror. Asked without making the route, which would cork the channel.
+    if !one || boxes.reaches_remote(pairs, colls) {
         return false;
     }
     let plain = |d: &OpDesc| !d.captured && d.nccl_memory == 0;
@@ -177,7 +179,12 @@ pub(crate) fn verify_or_hold(pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> Re
         progress.started.get_or_insert_with(Instant::now);
         return Ok(Verdict::Hold(Box::new(progress)));
     }
-    let all = progress.peek(pairs, colls, &Routes::new(pairs, colls))?;
+    let routes = Routes::new(pairs, colls);
+    debug_assert!(
+        routes.hold(),
+        "may_hold let through a group whose transport cannot hold"
+    );
+    let all = progress.peek(pairs, colls, &routes)?;
     if all && !behind {
         // Every counterpart is there: check them in order now, as `verify` would.
         resume_with(pairs, colls, &mut progress, Wait::Block)?;

@@ -92,16 +92,9 @@ impl Mailboxes {
         &self.regions[self.rank]
     }
 
-    /// The transport to the peers of this communicator that `pairs` and `colls` (of any
-    /// communicators) involve: the channel if it reaches one of them, else shared memory.
-    fn route<'a>(&'a self, pairs: &[PairOps<'a>], colls: &[CollOps<'a>]) -> Route<'a> {
-        let memory = SharedMemory {
-            rank: self.rank,
-            regions: &self.regions,
-        };
-        let Some(c) = channel::of(self.mine()) else {
-            return Route::Memory(memory);
-        };
+    /// The peers of this communicator that `pairs` and `colls` (of any communicators)
+    /// involve.
+    fn peers(&self, pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> SmallVec<[usize; 4]> {
         let mut peers: SmallVec<[usize; 4]> = pairs
             .iter()
             .filter(|p| std::ptr::eq(p.boxes, self))
@@ -112,6 +105,26 @@ impl Mailboxes {
         }
         peers.sort_unstable();
         peers.dedup();
+        peers
+    }
+
+    /// Whether the channel reaches one of the peers `pairs` and `colls` involve, asked without
+    /// touching it (what [`Mailboxes::route`] would pick, with none of its corking).
+    pub(crate) fn reaches_remote(&self, pairs: &[PairOps<'_>], colls: &[CollOps<'_>]) -> bool {
+        channel::of(self.mine()).is_some_and(|c| self.peers(pairs, colls).iter().any(|&p| c.reaches(p)))
+    }
+
+    /// The transport to the peers of this communicator that `pairs` and `colls` (of any
+    /// communicators) involve: the channel if it reaches one of them, else shared memory.
+    fn route<'a>(&'a self, pairs: &[PairOps<'a>], colls: &[CollOps<'a>]) -> Route<'a> {
+        let memory = SharedMemory {
+            rank: self.rank,
+            regions: &self.regions,
+        };
+        let Some(c) = channel::of(self.mine()) else {
+            return Route::Memory(memory);
+        };
+        let peers = self.peers(pairs, colls);
         if peers.iter().any(|&p| c.reaches(p)) {
             Route::Channel(Channelled::new(memory, c, &peers))
         } else {
