@@ -9,7 +9,9 @@
 //!   neither launches it; the family's graphs are refused from then on;
 //! - a capture's body that replays or synchronizes its own family is refused, not deadlocked;
 //! - two threads each capturing one family while replaying the other's graph end in
-//!   `Error::Timeout` within the timeout, not in a deadlock.
+//!   `Error::Timeout` within the timeout, not in a deadlock;
+//! - a replay of a graph whose buffer was dropped is refused before it is verified: the
+//!   family's communicator stays usable.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Barrier, OnceLock};
@@ -201,8 +203,9 @@ fn two_captures_replaying_each_others_family_time_out() -> Result<(), Failed> {
             let mut inside = None;
             let _ = family.capture(&s, |_, _| {
                 barrier.wait();
-                // The other thread holds the other family, capturing it.
+                // The other thread holds the other family, capturing it, until both tried.
                 inside = Some(theirs.launch(&their_stream).map(drop));
+                barrier.wait();
                 Ok(())
             });
             let _ = done.send((inside, t.elapsed()));
@@ -218,6 +221,23 @@ fn two_captures_replaying_each_others_family_time_out() -> Result<(), Failed> {
         }
     }
     Ok(())
+}
+
+fn a_replay_refused_before_verification_leaves_the_family_usable() -> Result<(), Failed> {
+    let device = Device::new(0)?;
+    let (s, family, _) = one_rank_family(&device, Duration::from_secs(5))?;
+    let mut x = DeviceBuffer::<f32>::zeros(8, &s)?;
+    let mut y = DeviceBuffer::<f32>::zeros(8, &s)?;
+    let doomed = family.capture(&s, |s, comm| comm.all_reduce_in_place(&mut x, ReduceOp::Sum, s))?;
+    let kept = family.capture(&s, |s, comm| comm.all_reduce_in_place(&mut y, ReduceOp::Sum, s))?;
+    drop(x);
+    let refused = doomed.launch(&s);
+    let after = kept.launch(&s).and_then(|()| family.synchronize());
+    println!("the replay over a dropped buffer: {refused:?}; another graph's after it: {after:?}");
+    if !matches!(refused, Err(Error::InvalidArgument(_))) {
+        return Err(format!("the replay gave {refused:?}, want Error::InvalidArgument").into());
+    }
+    after.map_err(|e| format!("the family's communicator broke: {e}").into())
 }
 
 fn main() {
@@ -243,6 +263,10 @@ fn main() {
         Trial::test(
             "a_capture_that_replays_its_own_family_is_refused_not_deadlocked",
             a_capture_that_replays_its_own_family_is_refused,
+        ),
+        Trial::test(
+            "a_replay_refused_before_verification_leaves_the_family_usable",
+            a_replay_refused_before_verification_leaves_the_family_usable,
         ),
         Trial::test(
             "two_captures_replaying_each_others_family_time_out_not_deadlock",

@@ -513,6 +513,11 @@ impl Graph {
         let exec = self.exec.0;
         comm.check_usable()?;
         self.bound_in_flight(comm)?;
+        // What the engine would refuse, refused before the peers' replays are compared with
+        // this one (after, the refusal would break the communicator).
+        if comm.verifies_replays() {
+            engine::check_replay(uses)?;
+        }
         // In a family, the replay is compared with every peer's before it is launched; from
         // then on it must reach the stream, or the communicator breaks (its peers' next
         // replays would be compared with the wrong ones).
@@ -679,6 +684,8 @@ pub(crate) trait ReplayComm {
     fn begin_capture(&self, stream: StreamId) -> Result<()>;
     /// The capture ended (`ok`: into a graph): what its replays are verified against.
     fn end_capture(&self, ok: bool) -> u64;
+    /// Whether [`ReplayComm::verify_replay`] compares replays (a verified family's).
+    fn verifies_replays(&self) -> bool;
     /// Compares the replay of the graph `id` ([`ReplayComm::end_capture`]) with every peer's
     /// next one, waiting on the host for them (bounded by the timeout): true if it was (a
     /// family's), false if nothing needs comparing (a graph's own communicator).

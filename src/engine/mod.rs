@@ -192,6 +192,36 @@ pub(crate) struct Replay<'e> {
     pub(crate) checkpoint: bool,
 }
 
+/// What [`enqueue_replay`] would refuse of a replay on one stream as things stand: a dropped
+/// buffer, a use that conflicts with a lend to cudarc, the stream being captured. Asked before
+/// a replay is verified across ranks (a graph family's), whose refusal after verification
+/// would break its communicator; the state may still change before the replay, which
+/// `enqueue_replay` then refuses.
+///
+/// # Errors
+/// As [`enqueue_replay`]'s refusals.
+pub(crate) fn check_replay(uses: &[TrackedUse<'_>]) -> Result<()> {
+    for u in uses {
+        let t = u.tracked.lock();
+        if t.is_retired() {
+            return Err(Error::InvalidArgument(
+                "a buffer this graph uses has been dropped: the graph cannot run again (capture a \
+                 new one, or keep its buffers while it is used)"
+                    .into(),
+            ));
+        }
+        if t.lent_conflict(u.stream.id(), u.access) {
+            return Err(lend::refused(u.access));
+        }
+    }
+    if let Some(u) = uses.first()
+        && u.stream.order().hold().capture.is_some()
+    {
+        return Err(not_capturable("launching a graph"));
+    }
+    Ok(())
+}
+
 /// [`enqueue`] of a graph replay on one stream, tracked as `replay` says. Refused in a
 /// capture.
 pub(crate) fn enqueue_replay<R>(

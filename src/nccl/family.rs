@@ -39,10 +39,11 @@ use crate::nccl::verify::wire::CollDesc;
 /// peer's is [`Error::Mismatch`] on both ranks, launched on neither; a peer that never replays
 /// is [`Error::Timeout`]; either leaves the family's communicator unusable.
 ///
-/// A replay that verification passed but that is refused afterwards (a buffer of the graph
-/// dropped, the family's stream under another capture, a buffer lent to cudarc elsewhere)
-/// breaks the family's communicator, since its peers' replays were compared with it: check
-/// those before replaying. At most [`crate::cuda::graph::MAX_REPLAYS_IN_FLIGHT`] replays of
+/// A replay that would be refused (a buffer of the graph dropped, the family's stream under
+/// another capture, a buffer lent to cudarc elsewhere) is refused before it is compared, and
+/// the communicator stays usable; if that changes between the check and the launch (another
+/// thread drops a buffer, say), the refusal comes after the comparison and breaks the family's
+/// communicator, since its peers' replays were compared with it. At most [`crate::cuda::graph::MAX_REPLAYS_IN_FLIGHT`] replays of
 /// each graph are in flight, so a family of `n` graphs may have `n` times as many; each is
 /// still checked against the peers' hosts first. The family keeps what each of its graphs'
 /// replays is compared with (about a hundred bytes a graph) until it is dropped.

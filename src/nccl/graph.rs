@@ -47,6 +47,10 @@ impl ReplayComm for Communicator {
             .map_or(0, |f| f.end_capture(ok, world))
     }
 
+    fn verifies_replays(&self) -> bool {
+        self.boxes.is_some() && self.family.borrow().is_some() && !cfg!(handoff_bypass_replay_check)
+    }
+
     fn verify_replay(&self, id: u64) -> Result<bool> {
         family::verify_replay(self, id)
     }
