@@ -80,28 +80,7 @@ fn two_ranks(
     timeout: Duration,
     body: impl Fn(usize, &Ranked, &Barrier) -> Result<(), String> + Send + Sync + 'static,
 ) -> Result<(), Failed> {
-    let id = UniqueId::new()?;
-    let body = Arc::new(body);
-    let barrier = Arc::new(Barrier::new(2));
-    let ranks: Vec<_> = (0..2usize)
-        .map(|rank| {
-            let (id, body, barrier) = (id.clone(), body.clone(), barrier.clone());
-            std::thread::spawn(move || -> Result<(), String> {
-                let e = |e: Error| format!("rank {rank}: {e}");
-                let device = Device::new(rank).map_err(e)?;
-                let options = CommOptions::default().with_timeout(timeout);
-                let comm = Communicator::with_options(2, rank, &id, options, &device).map_err(e)?;
-                let stream = Stream::new(&device).map_err(e)?;
-                let ranked = made(rank, comm, stream).map_err(e)?;
-                barrier.wait();
-                body(rank, &ranked, &barrier).map_err(|m| format!("rank {rank}: {m}"))
-            })
-        })
-        .collect();
-    for (rank, t) in ranks.into_iter().enumerate() {
-        t.join().map_err(|_| format!("rank {rank} panicked"))??;
-    }
-    Ok(())
+    Ok(stubs::rank_threads(2, timeout, made, body)?)
 }
 
 fn replays_in_one_order_are_launched() -> Result<(), Failed> {
@@ -245,11 +224,9 @@ fn main() {
     // The stub NCCL gathers between the threads of one communicator at a time.
     args.test_threads = Some(1);
     // SAFETY: no other thread exists yet, and nothing has read the environment.
-    let Some((_dir, cudart, nccl)) = (unsafe { stubs::install_pair("family_stub", "nccl.c") }) else {
+    let Some((_, cudart, _)) = (unsafe { stubs::install_gathering_pair("family_stub") }) else {
         return;
     };
-    stubs::set(&cudart, b"cudart_stub_set_devices\0", 2).expect("stub runtime");
-    stubs::set(&nccl, b"nccl_stub_set_gather\0", 1).expect("stub NCCL");
     CUDART.set(cudart).expect("once");
     let trials = vec![
         Trial::test(

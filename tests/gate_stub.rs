@@ -13,10 +13,10 @@
 //! - a receiver that posted first: the sender's send is checked at once and queues no gate.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Barrier, OnceLock};
+use std::sync::{Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
-use handoff::{CommOptions, Communicator, Device, DeviceBuffer, Error, Stream, UniqueId};
+use handoff::{Communicator, DeviceBuffer, Error, Stream};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 mod stubs;
@@ -39,34 +39,21 @@ fn two_ranks(
     timeout: Duration,
     body: impl Fn(usize, &Communicator, &Stream, &Barrier) -> Result<(), String> + Send + Sync + 'static,
 ) -> Result<(), Failed> {
-    let id = UniqueId::new()?;
-    let body = Arc::new(body);
-    let barrier = Arc::new(Barrier::new(2));
-    let ranks: Vec<_> = (0..2usize)
-        .map(|rank| {
-            let (id, body, barrier) = (id.clone(), body.clone(), barrier.clone());
-            std::thread::spawn(move || -> Result<(), String> {
-                let e = |e: Error| format!("rank {rank}: {e}");
-                let device = Device::new(rank).map_err(e)?;
-                let options = CommOptions::default().with_timeout(timeout);
-                let comm = Communicator::with_options(2, rank, &id, options, &device).map_err(e)?;
-                let stream = Stream::new(&device).map_err(e)?;
-                let mut x = DeviceBuffer::<f32>::zeros(4, &stream).map_err(e)?;
-                if rank == 0 {
-                    comm.send(&x, 1, &stream).map_err(e)?;
-                } else {
-                    comm.recv(&mut x, 0, &stream).map_err(e)?;
-                }
-                stream.synchronize().map_err(e)?;
-                barrier.wait();
-                body(rank, &comm, &stream, &barrier).map_err(|m| format!("rank {rank}: {m}"))
-            })
-        })
-        .collect();
-    for (rank, t) in ranks.into_iter().enumerate() {
-        t.join().map_err(|_| format!("rank {rank} panicked"))??;
-    }
-    Ok(())
+    let connected =
+        |rank: usize, comm: Communicator, stream: Stream| -> handoff::Result<(Communicator, Stream)> {
+            let mut x = DeviceBuffer::<f32>::zeros(4, &stream)?;
+            if rank == 0 {
+                comm.send(&x, 1, &stream)?;
+            } else {
+                comm.recv(&mut x, 0, &stream)?;
+            }
+            stream.synchronize()?;
+            Ok((comm, stream))
+        };
+    let body = move |rank: usize, (comm, stream): &(Communicator, Stream), barrier: &Barrier| {
+        body(rank, comm, stream, barrier)
+    };
+    Ok(stubs::rank_threads(2, timeout, connected, body)?)
 }
 
 const LATE: Duration = Duration::from_millis(300);
@@ -222,11 +209,9 @@ fn main() {
     // The stub NCCL gathers between the threads of one communicator at a time.
     args.test_threads = Some(1);
     // SAFETY: no other thread exists yet, and nothing has read the environment.
-    let Some((dir, cudart, nccl)) = (unsafe { stubs::install_pair("gate_stub", "nccl.c") }) else {
+    let Some((dir, cudart, _)) = (unsafe { stubs::install_gathering_pair("gate_stub") }) else {
         return;
     };
-    stubs::set(&cudart, b"cudart_stub_set_devices\0", 2).expect("stub runtime");
-    stubs::set(&nccl, b"nccl_stub_set_gather\0", 1).expect("stub NCCL");
     CUDART.set(cudart).expect("once");
     let trials = vec![
         Trial::test(

@@ -258,11 +258,9 @@ fn main() {
     // One trial at a time, in order: each counts the events of what it did.
     args.test_threads = Some(1);
     // SAFETY: no other thread exists yet, and nothing has read the environment.
-    let Some((dir, cudart, nccl)) = (unsafe { stubs::install_pair("tracing_stub", "nccl.c") }) else {
+    let Some((dir, _, _)) = (unsafe { stubs::install_gathering_pair("tracing_stub") }) else {
         return;
     };
-    stubs::set(&cudart, b"cudart_stub_set_devices\0", 2).expect("stub runtime");
-    stubs::set(&nccl, b"nccl_stub_set_gather\0", 1).expect("stub NCCL");
     tracing::subscriber::set_global_default(Collect {
         next_span: AtomicU64::new(1),
     })

@@ -178,3 +178,54 @@ pub fn run_child(role: &str, cudart: &Path, nccl: &Path) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// Ranks of one verified communicator as threads of this process, on the stub pair (the stub
+/// NCCL gathering between them, `nccl_stub_set_gather`): rank `r` makes its communicator (with
+/// `timeout`) on device `r` and a stream, `make`s what its trials need from them, then all
+/// meet at a barrier and run `body(rank, &made, &barrier)`. The first rank's error, if any.
+#[allow(dead_code)] // Only the binaries whose ranks are threads use it.
+pub fn rank_threads<T: 'static>(
+    world: usize,
+    timeout: std::time::Duration,
+    make: impl Fn(usize, handoff::Communicator, handoff::Stream) -> handoff::Result<T> + Send + Sync + 'static,
+    body: impl Fn(usize, &T, &std::sync::Barrier) -> Result<(), String> + Send + Sync + 'static,
+) -> Result<(), String> {
+    use std::sync::{Arc, Barrier};
+    let id = handoff::UniqueId::new().map_err(|e| e.to_string())?;
+    let (make, body) = (Arc::new(make), Arc::new(body));
+    let barrier = Arc::new(Barrier::new(world));
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            let (id, make, body, barrier) = (id.clone(), make.clone(), body.clone(), barrier.clone());
+            std::thread::spawn(move || -> Result<(), String> {
+                let e = |e: handoff::Error| format!("rank {rank}: {e}");
+                let device = handoff::Device::new(rank).map_err(e)?;
+                let options = handoff::CommOptions::default().with_timeout(timeout);
+                let comm =
+                    handoff::Communicator::with_options(world, rank, &id, options, &device).map_err(e)?;
+                let stream = handoff::Stream::new(&device).map_err(e)?;
+                let made = make(rank, comm, stream).map_err(e)?;
+                barrier.wait();
+                body(rank, &made, &barrier).map_err(|m| format!("rank {rank}: {m}"))
+            })
+        })
+        .collect();
+    for (rank, t) in ranks.into_iter().enumerate() {
+        t.join().map_err(|_| format!("rank {rank} panicked"))??;
+    }
+    Ok(())
+}
+
+/// [`install_pair`], with the stub runtime showing two devices and the stub NCCL gathering
+/// between the ranks of a communicator ([`rank_threads`]' ranks, or ranks made one by one).
+///
+/// # Safety
+/// As [`install_pair`].
+#[allow(dead_code)] // Only the binaries whose ranks are threads use it.
+pub unsafe fn install_gathering_pair(binary: &str) -> Option<(PathBuf, PathBuf, PathBuf)> {
+    // SAFETY: the caller's promise.
+    let (dir, cudart, nccl) = unsafe { install_pair(binary, "nccl.c") }?;
+    set(&cudart, b"cudart_stub_set_devices\0", 2).expect("stub runtime");
+    set(&nccl, b"nccl_stub_set_gather\0", 1).expect("stub NCCL");
+    Some((dir, cudart, nccl))
+}
