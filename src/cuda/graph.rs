@@ -466,7 +466,10 @@ impl Graph {
     /// operations and `stream` is not the one it was captured on, or if a buffer it uses has
     /// been dropped; [`Error::Capture`] while `stream` is being captured;
     /// [`Error::CommunicatorUnusable`] once the graph's communicator has been aborted; CUDA
-    /// errors.
+    /// errors. A [`crate::GraphFamily`]'s graph also: [`Error::Mismatch`] when a peer's replay
+    /// differs, [`Error::Timeout`] when a peer's does not come within the timeout (or another
+    /// thread holds the family's communicator past it), [`Error::Capture`] inside a capture
+    /// of its family.
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         // The one device check of a replay: the buffers' devices were checked as their work was
         // captured (the source of a peer copy is on another device than the stream), and the

@@ -43,9 +43,10 @@ use crate::nccl::verify::wire::CollDesc;
 /// another capture, a buffer lent to cudarc elsewhere) is refused before it is compared, and
 /// the communicator stays usable; if that changes between the check and the launch (another
 /// thread drops a buffer, say), the refusal comes after the comparison and breaks the family's
-/// communicator, since its peers' replays were compared with it. At most [`crate::cuda::graph::MAX_REPLAYS_IN_FLIGHT`] replays of
-/// each graph are in flight, so a family of `n` graphs may have `n` times as many; each is
-/// still checked against the peers' hosts first. The family keeps what each of its graphs'
+/// communicator, since its peers' replays were compared with it. At most
+/// [`crate::cuda::graph::MAX_REPLAYS_IN_FLIGHT`] replays of each graph are in flight, so a
+/// family of `n` graphs may have `n` times as many; each is still checked against the peers'
+/// hosts first. The family keeps what each of its graphs'
 /// replays is compared with (about a hundred bytes a graph) until it is dropped.
 ///
 /// The check waits on the host for the peers' hosts to reach the same replay (bounded by the
@@ -195,8 +196,8 @@ impl GraphFamily {
     /// # Errors
     /// [`Error::InvalidArgument`] for a communicator made by
     /// [`Communicator::init_all`] (one thread drives all its ranks, whose replays cannot wait
-    /// for each other); [`Error::Capture`] if the thread that aborts a graph's communicator
-    /// cannot be started.
+    /// for each other); as [`Communicator::synchronize`] (its eager work completes first);
+    /// [`Error::Capture`] if the thread that aborts a graph's communicator cannot be started.
     pub fn new(mut comm: Communicator, stream: &Stream) -> Result<GraphFamily> {
         if comm.clique.is_some() {
             return Err(Error::InvalidArgument(
@@ -228,7 +229,8 @@ impl GraphFamily {
     ///
     /// # Errors
     /// As [`Graph::capture_with`]; [`Error::Capture`] for a capture on another stream than the
-    /// family's.
+    /// family's, or inside a capture of the family; [`Error::Timeout`] when another thread's
+    /// capture or replay of the family holds its communicator past the timeout.
     pub fn capture(
         &self,
         stream: &Stream,
@@ -244,7 +246,8 @@ impl GraphFamily {
     /// (bounded, as [`Communicator::synchronize`]).
     ///
     /// # Errors
-    /// As [`Communicator::synchronize`]; [`Error::Capture`] inside a capture of the family.
+    /// As [`Communicator::synchronize`]; [`Error::Capture`] inside a capture of the family;
+    /// [`Error::Timeout`] as for [`GraphFamily::capture`].
     pub fn synchronize(&self) -> Result<()> {
         self.shared.lock()?.synchronize()
     }
