@@ -551,11 +551,14 @@ mod tests {
                         break;
                     }
                 }
-                out
+                // Kept until both ranks are done: through the channel, a rank's end closes its
+                // connection, which its peer reads as the rank broken.
+                (out, boxes)
             })
         };
         let (ta, tb) = (run(a, r0), run(b, r1));
-        [ta.join().unwrap(), tb.join().unwrap()]
+        let ((ra, _a), (rb, _b)) = (ta.join().unwrap(), tb.join().unwrap());
+        [ra, rb]
     }
 
     #[test]
@@ -613,13 +616,17 @@ mod tests {
             let ranks = two(via).map(|boxes| {
                 let ops = ops.clone();
                 std::thread::spawn(move || {
-                    verify(&[], &[coll(&boxes, &ops)])?;
-                    ops.iter()
-                        .try_for_each(|o| verify(&[], &[coll(&boxes, std::slice::from_ref(o))]))
+                    let r = verify(&[], &[coll(&boxes, &ops)]).and_then(|()| {
+                        ops.iter()
+                            .try_for_each(|o| verify(&[], &[coll(&boxes, std::slice::from_ref(o))]))
+                    });
+                    (r, boxes)
                 })
             });
-            for r in ranks {
-                r.join().unwrap().unwrap();
+            // Each rank's boxes kept until both are done (see `grouped`).
+            let done = ranks.map(|r| r.join().unwrap());
+            for (r, _) in &done {
+                r.clone().unwrap();
             }
         }
     }
@@ -670,12 +677,11 @@ mod tests {
             // Issue 9, hole 1: a send of n f32 matched with a receive of 3n/4, ranks on two threads.
             let [w0, w1] = two(via);
             let n = 4_194_304;
-            let sender = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[n], &[])]));
-            let receiver = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[3 * n / 4])]));
-            for (who, r) in [
-                ("sender", sender.join().unwrap()),
-                ("receiver", receiver.join().unwrap()),
-            ] {
+            let sender = std::thread::spawn(move || (verify_pairs(&[pair(&w0, 1, &[n], &[])]), w0));
+            let receiver = std::thread::spawn(move || (verify_pairs(&[pair(&w1, 0, &[], &[3 * n / 4])]), w1));
+            // Each rank's boxes kept until both are done (see `grouped`).
+            let ((sent, _w0), (received, _w1)) = (sender.join().unwrap(), receiver.join().unwrap());
+            for (who, r) in [("sender", sent), ("receiver", received)] {
                 assert!(
                     matches!(&r, Err(Failure::Mismatch(m)) if m.contains("4194304") && m.contains("3145728")),
                     "{who}: {r:?}"
@@ -689,11 +695,13 @@ mod tests {
         for via in Via::BOTH {
             eprintln!("through {via:?}");
             let [w0, w1] = two(via);
-            let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &[4], &[])]));
+            let a = std::thread::spawn(move || (verify_pairs(&[pair(&w0, 1, &[4], &[])]), w0));
             std::thread::sleep(Duration::from_millis(50));
-            let b = std::thread::spawn(move || verify_pairs(&[pair(&w1, 0, &[], &[4])]));
-            a.join().unwrap().unwrap();
-            b.join().unwrap().unwrap();
+            let b = std::thread::spawn(move || (verify_pairs(&[pair(&w1, 0, &[], &[4])]), w1));
+            // Each rank's boxes kept until both are done (see `grouped`).
+            let ((ra, _w0), (rb, _w1)) = (a.join().unwrap(), b.join().unwrap());
+            ra.unwrap();
+            rb.unwrap();
         }
     }
 
@@ -731,15 +739,17 @@ mod tests {
             let [w0, w1] = two(via);
             let counts: Vec<u64> = (1..=1000).collect();
             let sent = counts.clone();
-            let a = std::thread::spawn(move || verify_pairs(&[pair(&w0, 1, &sent, &[])]));
+            let a = std::thread::spawn(move || (verify_pairs(&[pair(&w0, 1, &sent, &[])]), w0));
             let b = std::thread::spawn(move || {
-                for &c in &counts {
-                    verify_pairs(&[pair(&w1, 0, &[], &[c])])?;
-                }
-                Ok::<(), Failure>(())
+                let r = counts
+                    .iter()
+                    .try_for_each(|&c| verify_pairs(&[pair(&w1, 0, &[], &[c])]));
+                (r, w1)
             });
-            a.join().unwrap().unwrap();
-            b.join().unwrap().unwrap();
+            // Each rank's boxes kept until both are done (see `grouped`).
+            let ((ra, _w0), (rb, _w1)) = (a.join().unwrap(), b.join().unwrap());
+            ra.unwrap();
+            rb.unwrap();
         }
     }
 
