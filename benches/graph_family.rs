@@ -53,14 +53,7 @@ fn opts() -> Result<Opts, String> {
 }
 
 fn main() {
-    let r = opts().and_then(|o| match Launch::from_env().map_err(|e| e.to_string())? {
-        None => harness::spawn_procs([0, 1]),
-        Some(l) => run(&o, &l).map_err(|e| e.to_string()),
-    });
-    if let Err(e) = r {
-        eprintln!("graph_family: {e}");
-        std::process::exit(1);
-    }
+    harness::two_rank_main("graph_family", opts, run);
 }
 
 /// The device memory this process holds, in MiB, as `nvidia-smi` reports it (`None` without it).

@@ -57,14 +57,7 @@ fn opts() -> Result<Opts, String> {
 }
 
 fn main() {
-    let r = opts().and_then(|o| match Launch::from_env().map_err(|e| e.to_string())? {
-        None => harness::spawn_procs([0, 1]),
-        Some(l) => run(&o, &l).map_err(|e| e.to_string()),
-    });
-    if let Err(e) = r {
-        eprintln!("late_peer: {e}");
-        std::process::exit(1);
-    }
+    harness::two_rank_main("late_peer", opts, run);
 }
 
 /// Median and 90th percentile, in µs.

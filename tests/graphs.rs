@@ -498,14 +498,7 @@ fn replays_in_different_orders() -> Result<(), Failed> {
         };
         run().map_err(|e| e.to_string())
     })?;
-    let [r0, r1] = common::both_ok(results)?;
-    println!("rank 0: {r0}\nrank 1: {r1}");
-    for r in [&r0, &r1] {
-        if r.contains("WRONG") || r.contains("UNBOUNDED") {
-            return Err(r.clone().into());
-        }
-    }
-    Ok(())
+    judged(results, &["WRONG", "UNBOUNDED"])
 }
 
 /// What a rank's output buffers hold before a replay writes them.
@@ -567,14 +560,7 @@ fn family_replays() -> Result<(), Failed> {
             run().map_err(|e| e.to_string())
         },
     )?;
-    let [r0, r1] = common::both_ok(results)?;
-    println!("rank 0: {r0}\nrank 1: {r1}");
-    for r in [&r0, &r1] {
-        if r.contains("WRONG") {
-            return Err(r.clone().into());
-        }
-    }
-    Ok(())
+    judged(results, &["WRONG"])
 }
 
 /// Two families per rank: one of all-reduces of 256 (A) and 512 (B), one of sends from rank 0
@@ -641,12 +627,15 @@ fn family_mismatch() -> Result<(), Failed> {
         };
         run().map_err(|e| e.to_string())
     })?;
+    judged(results, &["WRONG"])
+}
+
+/// Both ranks' reports, printed; the first that holds one of `marks` is the trial's failure.
+fn judged(results: [Result<String, String>; 2], marks: &[&str]) -> Result<(), Failed> {
     let [r0, r1] = common::both_ok(results)?;
     println!("rank 0: {r0}\nrank 1: {r1}");
-    for r in [&r0, &r1] {
-        if r.contains("WRONG") {
-            return Err(r.clone().into());
-        }
+    match [r0, r1].into_iter().find(|r| marks.iter().any(|m| r.contains(m))) {
+        Some(r) => Err(r.into()),
+        None => Ok(()),
     }
-    Ok(())
 }

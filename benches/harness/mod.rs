@@ -151,6 +151,24 @@ pub fn spawn_procs(local_ranks: [usize; 2]) -> Result<(), String> {
     .map_err(|e| e.to_string())
 }
 
+/// The `main` of a benchmark of two ranks in processes: parses its options, then in the
+/// process started by hand starts the two ranks ([`spawn_procs`]), and in each rank runs `run`;
+/// an error is printed after `name` and ends the process with status 1.
+pub fn two_rank_main<O>(
+    name: &str,
+    opts: impl FnOnce() -> Result<O, String>,
+    run: impl FnOnce(&O, &Launch) -> handoff::Result<()>,
+) {
+    let r = opts().and_then(|o| match Launch::from_env().map_err(|e| e.to_string())? {
+        None => spawn_procs([0, 1]),
+        Some(l) => run(&o, &l).map_err(|e| e.to_string()),
+    });
+    if let Err(e) = r {
+        eprintln!("{name}: {e}");
+        std::process::exit(1);
+    }
+}
+
 /// For a rank whose launch shares GPUs (`HANDOFF_SHARE_GPUS=1`, as [`spawn_procs`] sets it on
 /// one GPU): the line to print before the table, saying that the run checks correctness and
 /// that its times are not performance figures. `None` otherwise.
