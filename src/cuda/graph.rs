@@ -514,11 +514,12 @@ impl Graph {
     /// One replay of a graph with NCCL operations, its communicator held.
     fn replay_nccl(&self, stream: &Stream, comm: &dyn ReplayComm, uses: &[TrackedUse<'_>]) -> Result<()> {
         let exec = self.exec.0;
-        comm.check_usable()?;
         self.bound_in_flight(comm)?;
-        // What the engine would refuse, refused before the peers' replays are compared with
-        // this one (after, the refusal would break the communicator).
+        // What would be refused (a broken communicator, what the engine refuses), refused
+        // before the peers' replays are compared with this one: after, the refusal would
+        // break the communicator. A graph's own communicator compares nothing.
         if comm.verifies_replays() {
+            comm.check_usable()?;
             engine::check_replay(uses)?;
         }
         // In a family, the replay is compared with every peer's before it is launched; from

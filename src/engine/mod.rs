@@ -192,6 +192,15 @@ pub(crate) struct Replay<'e> {
     pub(crate) checkpoint: bool,
 }
 
+/// A replay's refusal of a buffer dropped since its capture.
+fn dropped_under_graph() -> Error {
+    Error::InvalidArgument(
+        "a buffer this graph uses has been dropped: the graph cannot run again (capture a new \
+         one, or keep its buffers while it is used)"
+            .into(),
+    )
+}
+
 /// What [`enqueue_replay`] would refuse of a replay on one stream as things stand: a dropped
 /// buffer, a use that conflicts with a lend to cudarc, the stream being captured. Asked before
 /// a replay is verified across ranks (a graph family's), whose refusal after verification
@@ -204,11 +213,7 @@ pub(crate) fn check_replay(uses: &[TrackedUse<'_>]) -> Result<()> {
     for u in uses {
         let t = u.tracked.lock();
         if t.is_retired() {
-            return Err(Error::InvalidArgument(
-                "a buffer this graph uses has been dropped: the graph cannot run again (capture a \
-                 new one, or keep its buffers while it is used)"
-                    .into(),
-            ));
+            return Err(dropped_under_graph());
         }
         if t.lent_conflict(u.stream.id(), u.access) {
             return Err(lend::refused(u.access));
@@ -346,11 +351,7 @@ fn enqueue_with<R>(
         });
     }
     if trackers.iter().any(|t| t.uses.is_retired()) {
-        return Err(Error::InvalidArgument(
-            "a buffer this graph uses has been dropped: the graph cannot run again (capture a \
-             new one, or keep its buffers while it is used)"
-                .into(),
-        ));
+        return Err(dropped_under_graph());
     }
     if capturing {
         if replay.is_some() {

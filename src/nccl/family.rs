@@ -286,25 +286,29 @@ impl GraphComm for Member {
     }
 }
 
+/// Whether `comm`'s replays are compared with its peers': a family's, verified.
+pub(crate) fn verifies_replays(comm: &Communicator) -> bool {
+    // The twin build whose family mismatch tests must fail compares none
+    // (scripts/stage-device.sh).
+    comm.boxes.is_some() && comm.family.borrow().is_some() && !cfg!(handoff_bypass_replay_check)
+}
+
 /// Compares the replay of `comm`'s family graph `id` with every peer's next one (see
 /// [`GraphFamily`]): false when there is nothing to compare (not a family's, an
 /// unverified communicator, a graph without NCCL operations).
 pub(crate) fn verify_replay(comm: &Communicator, id: u64) -> Result<bool> {
-    if cfg!(handoff_bypass_replay_check) {
-        // The twin build whose family mismatch tests must fail (scripts/stage-device.sh).
+    if !verifies_replays(comm) {
         return Ok(false);
     }
     let family = comm.family.borrow();
-    let Some(replays) = family.as_ref() else {
-        return Ok(false);
-    };
+    let replays = family.as_ref().expect("a family's (verifies_replays)");
     let desc = replays.graph(id).ok_or_else(|| {
         Error::InvalidArgument(format!(
             "internal: graph {id} is not one of this family's {} (a bug in handoff)",
             replays.len()
         ))
     })?;
-    if comm.boxes.is_none() || (desc.pairs.is_empty() && desc.coll.is_none()) {
+    if desc.pairs.is_empty() && desc.coll.is_none() {
         return Ok(false);
     }
     let queued: SmallVec<[Queued<'_>; 4]> = desc

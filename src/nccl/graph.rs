@@ -48,7 +48,7 @@ impl ReplayComm for Communicator {
     }
 
     fn verifies_replays(&self) -> bool {
-        self.boxes.is_some() && self.family.borrow().is_some() && !cfg!(handoff_bypass_replay_check)
+        family::verifies_replays(self)
     }
 
     fn verify_replay(&self, id: u64) -> Result<bool> {
